@@ -1,0 +1,358 @@
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qworker.config import EngineConfig
+from qworker.engine.block_pool import KVCacheStats
+from qworker.engine.detokenizer import IncrementalDetokenizer
+from qworker.engine.kv_cache_manager import KVCacheManager, cdiv
+from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from qworker.engine.request import Request, RequestStatus
+from qworker.engine.runner import ModelRunner
+from qworker.engine.sampler import Sampler
+from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.scheduler import Scheduler, SchedulerOutput
+from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.model.attention import select_attention_backend
+from qworker.model.config import ModelConfig
+from qworker.model.llama import LlamaForCausalLM
+from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+# CPU default for the KV pool when num_kv_blocks is not given.
+DEFAULT_CPU_KV_CACHE_GB = 2.0
+# Share of free accelerator memory the KV pool may take.
+GPU_KV_CACHE_FRACTION = 0.85
+
+Prompt = str | dict[str, Any] | Sequence[int]
+
+
+@dataclass
+class _RequestState:
+    """Engine-side bookkeeping next to the core Request: text and timestamps."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # bf16 everywhere we run: AMX on these CPUs, tensor cores on GPUs.
+        return torch.bfloat16
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return names[dtype]
+
+
+class LLMEngine:
+    """The engine core: add requests, step, read streamed outputs. Knows nothing of queues."""
+
+    def __init__(
+        self, config: EngineConfig, *, hf_config: Any = None, state_dict: Any = None, tokenizer: Any = None
+    ) -> None:
+        self.config = config
+        started = time.perf_counter()
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if hf_config is None:
+            resolved = resolve_model(config.model)
+            hf_config = load_hf_config(resolved.path)
+            tokenizer = load_tokenizer(resolved.path)
+            state_dict = load_state_dict(resolved.path)
+        self.tokenizer = tokenizer
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.max_model_len = self._max_model_len()
+        model = LlamaForCausalLM(self.model_config, max_positions=self.max_model_len)
+        if state_dict is not None:
+            model.load_hf_state_dict(state_dict)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # RoPE tables stay float32, as transformers computes them.
+        self.model.rotary.float()
+
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
+        self.num_kv_blocks = num_blocks
+        mc = self.model_config
+        # One allocation for every layer: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim].
+        # Zeroed: padding block ids in block tables point into it and must not hold NaNs.
+        self._kv_cache = torch.zeros(
+            (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        kv_caches = [(self._kv_cache[i, 0], self._kv_cache[i, 1]) for i in range(mc.num_layers)]
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        )
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        backend = select_attention_backend(config.attention_backend, self.device)
+        self.attention_backend_name = backend.name
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            config.block_size,
+            backend,
+            Sampler(tuple(sorted(self.eos_token_ids)), seed=config.seed),
+            self.device,
+        )
+        self._states: dict[str, _RequestState] = {}
+        self.num_steps = 0
+        self.startup_seconds = time.perf_counter() - started
+        logger.info(
+            "engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d, backend %s",
+            self.startup_seconds,
+            config.model,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            backend.name,
+        )
+
+    # -- sizing ------------------------------------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            limit = min(limit, mc.sliding_window)
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's {limit}")
+            limit = self.config.max_model_len
+        return limit
+
+    def _num_blocks_from_memory(self) -> int:
+        mc = self.model_config
+        bytes_per_block = (
+            2 * mc.num_layers * self.config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        )
+        if self.config.kv_cache_memory_gb is not None:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * GPU_KV_CACHE_FRACTION
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_GB * 2**30
+        # Never more than every sequence at full length would need.
+        cap = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
+        return max(1, min(int(budget // bytes_per_block), cap))
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise InvalidRequestError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, Sequence):
+            return None, list(prompt)
+        raise InvalidRequestError(
+            f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}"
+        )
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not messages:
+            raise InvalidRequestError("messages is empty")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def validate_prompt_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+        blocks = cdiv(len(token_ids) + 1, self.config.block_size)
+        if blocks > self.num_kv_blocks:
+            raise PromptTooLongError(
+                f"prompt of {len(token_ids)} tokens needs {blocks} KV blocks; "
+                f"the cache holds {self.num_kv_blocks}"
+            )
+        if not self.config.enable_chunked_prefill and len(token_ids) > self.config.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt of {len(token_ids)} tokens exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) with chunked prefill disabled"
+            )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request. Raises a typed InvalidRequestError subclass for bad input."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt_token_ids(token_ids)
+        now = time.time()
+        request = Request(request_id, token_ids, params, priority=priority)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+        self._states[request_id] = _RequestState(
+            request, text, detokenizer, RequestMetrics(arrival_time=arrival_time or now)
+        )
+        self.scheduler.add_request(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a queued or running request now and free its blocks. Returns its partial output."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        state.metrics.finished_time = time.time()
+        return self._make_output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv_cache_manager.stats()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run the model once, and return each request's new tokens and text."""
+        plan = self.scheduler.schedule()
+        self.last_plan: SchedulerOutput = plan
+        outputs = [self._finish_capacity(request_id) for request_id in plan.capacity_finished_request_ids]
+        if plan.is_empty:
+            return outputs
+        now = time.time()
+        for item in plan.scheduled:
+            metrics = self._states[item.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        sampled = self.runner.execute(plan, self.scheduler.requests)
+        self.num_steps += 1
+        self.scheduler.update_from_output(plan, sampled)
+        now = time.time()
+        for request_id, token_id in sampled.items():
+            outputs.append(self._process_token(self._states[request_id], token_id, now))
+        return outputs
+
+    def _process_token(self, state: _RequestState, token_id: int, now: float) -> StepOutput:
+        request = state.request
+        params = request.sampling_params
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        status: RequestStatus | None = None
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if request.num_output_tokens >= params.min_tokens:
+            if is_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+        if status is None and request.num_output_tokens >= params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None and request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        detokenizer = state.detokenizer
+        if detokenizer is not None and not (status is RequestStatus.FINISHED_STOPPED and is_eos):
+            stop_string = detokenizer.update(token_id)
+            if stop_string is not None and request.num_output_tokens >= params.min_tokens:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop_string
+        finished = status is not None
+        delta = detokenizer.take_delta(finished) if detokenizer is not None else ""
+        step_output = StepOutput(request.request_id, [token_id], delta, finished)
+        if status is not None:
+            self.scheduler.finish_request(request.request_id, status)
+            state.metrics.finished_time = now
+            self._states.pop(request.request_id, None)
+            step_output.finish_reason = status.finish_reason
+            step_output.output = self._make_output(state)
+        return step_output
+
+    def _finish_capacity(self, request_id: str) -> StepOutput:
+        state = self._states.pop(request_id)
+        state.metrics.finished_time = time.time()
+        logger.warning("request %s stopped: it alone fills the KV cache", request_id)
+        delta = state.detokenizer.take_delta(True) if state.detokenizer is not None else ""
+        return StepOutput(request_id, [], delta, True, "length", self._make_output(state))
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        request = state.request
+        text = state.detokenizer.output_text if state.detokenizer is not None else ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            metrics=state.metrics,
+            num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The final (or current) state of one request, shaped like vLLM's RequestOutput."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_preemptions: int = 0
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    # Set when finished: the whole result.
+    output: RequestOutput | None = field(default=None, repr=False)

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from qworker.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class RequestTimings:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class Request:
+    """One generation request as the engine core sees it.
+
+    Progress is a counter: the model has computed KV for the first `num_computed_tokens` of
+    `token_ids`. Prefill, chunked prefill, decode and resume after preemption are all the same
+    rule: schedule `num_tokens - num_computed_tokens` more (capped by the budget).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Tie-breaker for the priority queue: order of arrival at the engine.
+    arrival_index: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.timings = RequestTimings(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qworker.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    num_output_tokens: int
+    # Set for requests with a seed: their draws then depend on nothing else in the batch.
+    generator: torch.Generator | None
+
+
+class Sampler:
+    """Greedy, temperature, top-k, top-p and min-p sampling over a batch of logits.
+
+    Random rows use the exponential-race trick (argmax of p / Exp(1) noise), so each row draws
+    its own noise vector: a seeded row draws from its private generator.
+    """
+
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.eos_token_ids = eos_token_ids
+        self._generator: torch.Generator | None = None
+        self._seed = seed
+
+    def _batch_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self._seed)
+        return self._generator
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """logits: [N, vocab] float32 -> N token ids."""
+        assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} requests"
+        self._apply_min_tokens(logits, rows)
+        greedy = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not random_rows:
+            return greedy.tolist()
+        index = torch.tensor(random_rows, device=logits.device)
+        sub = logits[index]
+        params = [rows[i].params for i in random_rows]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        sub = sub / temperature[:, None]
+        sub = _apply_top_k_top_p(sub, params)
+        probs = sub.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            generator = rows[i].generator or self._batch_generator(logits.device)
+            noise[j].exponential_(generator=generator)
+        picked = (probs / noise).argmax(dim=-1)
+        greedy[index] = picked
+        return greedy.tolist()
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            if row.num_output_tokens < row.params.min_tokens:
+                banned = list(row.params.stop_token_ids)
+                if not row.params.ignore_eos:
+                    banned.extend(self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits: [N, vocab] (already temperature-scaled). Masks tokens outside top-k / top-p."""
+    needs_top_k = any(p.top_k > 0 for p in params)
+    needs_top_p = any(p.top_p < 1.0 for p in params)
+    if not needs_top_k and not needs_top_p:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if needs_top_k:
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device)
+        remove |= ranks[None, :] >= top_k[:, None]
+    if needs_top_p:
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # Remove a token when the mass before it already reaches top_p (the top token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)

@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the runner and passed down every layer.
+
+    The batch is ordered decodes first (one query token each), then prefill chunks.
+    """
+
+    # [num_tokens] int64: cache slot (block_id * block_size + offset) of each new token.
+    slot_mapping: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32, padded with block 0 past each seq's blocks.
+    block_tables: torch.Tensor
+    # [num_seqs] int32: context length including this step's tokens.
+    seq_lens: torch.Tensor
+    # [num_seqs + 1] int32: cumulative query lengths.
+    query_start_loc: torch.Tensor
+    num_decode_seqs: int
+    # Host copies for the per-sequence prefill path (avoid device syncs).
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+    block_ids_list: list[list[int]]
+    block_size: int
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]; writes k/v into the caches first."""
+        ...
+
+
+def write_kv_cache_torch(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    # caches: [num_blocks, block_size, KVH, D] viewed as [num_slots, KVH, D]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gather-based decode attention; q: [S, H, D] -> [S, H, D]. Memory O(S * max_len)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // k_cache.shape[1])
+    tables = block_tables[:, :num_blocks].long()
+    # keys/values: [S, L, KVH, D]
+    keys = k_cache[tables].flatten(1, 2)[:, :max_len]
+    values = v_cache[tables].flatten(1, 2)[:, :max_len]
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("skgd,slkd->skgl", qg, keys.float()) * scale
+    positions = torch.arange(max_len, device=q.device)
+    masked = positions[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("skgl,slkd->skgd", probs, values.float())
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+class TorchAttentionBackend:
+    """CPU/any-device attention in plain torch that reads K/V through the block tables.
+
+    Decodes run batched (a compiled CPU kernel when available); prefill chunks run one sequence
+    at a time through SDPA, which is compute-bound anyway.
+    """
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._decode_kernel = _load_cpu_decode_kernel()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decode_seqs
+        if num_decodes:
+            decode_q = q[:num_decodes]
+            tables = meta.block_tables[:num_decodes]
+            lens = meta.seq_lens[:num_decodes]
+            if self._decode_kernel is not None and q.device.type == "cpu":
+                self._decode_kernel(decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes])
+            else:
+                out[:num_decodes] = paged_decode_attention_torch(
+                    decode_q, k_cache, v_cache, tables, lens, scale
+                )
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        token_start = num_decodes
+        block_size = meta.block_size
+        for seq_index in range(num_decodes, len(meta.seq_lens_list)):
+            query_len = meta.query_lens_list[seq_index]
+            seq_len = meta.seq_lens_list[seq_index]
+            token_end = token_start + query_len
+            seq_q = q[token_start:token_end]
+            if query_len == seq_len:
+                # Whole context is in this chunk: use the fresh K/V, no cache read.
+                seq_k, seq_v = k[token_start:token_end], v[token_start:token_end]
+            else:
+                block_ids = torch.tensor(meta.block_ids_list[seq_index], device=q.device)
+                num_blocks = -(-seq_len // block_size)
+                seq_k = k_cache[block_ids[:num_blocks]].view(-1, num_kv_heads, head_dim)[:seq_len]
+                seq_v = v_cache[block_ids[:num_blocks]].view(-1, num_kv_heads, head_dim)[:seq_len]
+            out[token_start:token_end] = _prefill_attention(seq_q, seq_k, seq_v, scale)
+            token_start = token_end
+        return out
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [n, H, D] are the last n positions of a context of k/v: [L, KVH, D]; causal."""
+    query_len, context_len = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if query_len == context_len:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        key_positions = torch.arange(context_len, device=q.device)
+        query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
+        mask = key_positions[None, :] <= query_positions[:, None]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _load_cpu_decode_kernel():  # type: ignore[no-untyped-def]
+    if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
+        return None
+    try:
+        from qworker_kernels import cpu_paged_attention
+    except ImportError:
+        return None
+    if not cpu_paged_attention.is_available():
+        return None
+    return cpu_paged_attention.paged_decode_attention
+
+
+def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks Triton on CUDA and torch elsewhere; QWORKER_ATTENTION_BACKEND overrides."""
+    choice = os.environ.get("QWORKER_ATTENTION_BACKEND", requested) or "auto"
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "torch":
+        return TorchAttentionBackend()
+    if choice == "triton":
+        from qworker.model.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {choice!r}; use auto, torch or triton")

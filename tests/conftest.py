@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_hf_config(model_type: str = "llama", **overrides):
+    """A tiny random Llama-family config for fast engine tests (built here, nothing downloaded)."""
+    from transformers import AutoConfig
+
+    args = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    args.update(overrides)
+    return AutoConfig.for_model(model_type, **args)
+
+
+def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Random init gives near-uniform logits; widen them so greedy picks are not near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+    return model
+
+
+def tiny_engine(hf_model, **engine_args):
+    from qworker.config import EngineConfig
+    from qworker.engine.llm_engine import LLMEngine
+
+    args = dict(model="tiny", dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    args.update(engine_args)
+    return LLMEngine(
+        EngineConfig(**args), hf_config=hf_model.config, state_dict=hf_model.state_dict(), tokenizer=None
+    )
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def run_to_completion(engine) -> dict[str, object]:
+    outputs = {}
+    for _ in range(100_000):
+        if not engine.has_unfinished_requests():
+            return outputs
+        for step_output in engine.step():
+            if step_output.finished:
+                outputs[step_output.request_id] = step_output.output
+    raise AssertionError("engine did not finish")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_hf_model("llama")
