@@ -1,0 +1,95 @@
+"""The client: submit jobs, stream their tokens, wait for results, cancel.
+
+from qworker import Client
+client = Client(queue="redis://127.0.0.1:6379/0?stream=jobs", results="redis://127.0.0.1:6379/0")
+job_id = client.submit({"messages": [{"role": "user", "content": "Hi"}], "params": {"max_tokens": 32}})
+for text in client.stream(job_id):
+    print(text, end="")
+print(client.result(job_id, timeout=60).status)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from qworker.worker.connections import open_producer, open_sink, resolve_url
+from qworker.worker.jobs import Job, JobResult, encode_job
+from qworker.worker.sources.base import OutgoingJob
+
+
+class Client:
+    def __init__(self, queue: str | None = None, results: str | None = None) -> None:
+        """`queue` and `results` are URLs (see connections.py). With none, the embedded Redis
+        server serves both; with only `queue`, results live on the same server."""
+        queue_url = resolve_url(queue)
+        self.producer = open_producer(queue_url)
+        self.sink = open_sink(results or queue_url)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.producer.close()
+        self.sink.close()
+
+    @staticmethod
+    def _as_job(job: Job | dict[str, Any] | str) -> Job:
+        if isinstance(job, Job):
+            return job
+        if isinstance(job, str):
+            return Job(prompt=job)
+        return Job.model_validate(job)
+
+    def submit(self, job: Job | dict[str, Any] | str) -> str:
+        """Validate and enqueue one job (a Job, its dict, or a prompt string). Returns its id."""
+        return self.submit_many([job])[0]
+
+    def submit_many(self, jobs: Iterable[Job | dict[str, Any] | str]) -> list[str]:
+        """Validate every job first, then enqueue them all in one round trip. Returns their ids."""
+        validated = [self._as_job(job) for job in jobs]
+        self.producer.send([OutgoingJob(job.id, encode_job(job)) for job in validated])
+        return [job.id for job in validated]
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
+        """Yield the job's text deltas as the worker generates them, until its result is stored.
+
+        Raises TimeoutError when no output arrives for `timeout` seconds.
+        """
+        for delta in self.sink.read_deltas(job_id, timeout):
+            if delta.text:
+                yield delta.text
+
+    def result(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """Wait for the job's stored result. Raises TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait_s = 0.005
+        while True:
+            result = self.sink.get_result(job_id)
+            if result is not None:
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no result for job {job_id} within {timeout}s")
+            # Back off to 200 ms: cheap for one job, gentle for a client waiting on thousands.
+            time.sleep(wait_s if deadline is None else max(0.0, min(wait_s, deadline - time.monotonic())))
+            wait_s = min(0.2, wait_s * 1.5)
+
+    def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
+        """Wait for several results (in the order of `job_ids`); `timeout` covers them all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for job_id in job_ids:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            out.append(self.result(job_id, timeout=left))
+        return out
+
+    def cancel(self, job_id: str) -> None:
+        """Ask for the job to stop, queued or running. Its result gets status `cancelled`."""
+        self.sink.request_cancel(job_id)
+
+    def queue_depth(self) -> int | None:
+        return self.producer.queue_depth()

@@ -1,0 +1,46 @@
+"""Key names and defaults shared by the worker, the client and the Redis source/sink.
+
+Kept in one place so that a producer in another language can follow the same layout.
+"""
+
+from __future__ import annotations
+
+# The job stream and its consumer group.
+DEFAULT_STREAM = "qworker:jobs"
+DEFAULT_GROUP = "qworker"
+# Fields of one stream entry: the job id (so that a body that is not even JSON still has an id
+# to fail) and the JSON body.
+FIELD_JOB_ID = "id"
+FIELD_BODY = "job"
+
+# Result-store keys live under this prefix.
+DEFAULT_RESULT_PREFIX = "qworker"
+# A stored result lives this long (seconds); a client that never reads it does not leak memory.
+DEFAULT_RESULT_TTL_S = 24 * 3600
+# Delta streams are for live readers; they expire sooner and keep a bounded length.
+DEFAULT_DELTA_TTL_S = 3600
+DEFAULT_DELTA_MAXLEN = 10_000
+# A cancel request waits this long for a worker to see it.
+DEFAULT_CANCEL_TTL_S = 24 * 3600
+
+# Fields of one delta-stream entry.
+DELTA_FIELD_TEXT = "text"
+DELTA_FIELD_TOKEN_IDS = "token_ids"
+# Written once, after the result: tells a live reader to stop waiting.
+DELTA_FIELD_DONE = "done"
+
+
+def dead_letter_stream(stream: str) -> str:
+    return f"{stream}:dead"
+
+
+def result_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:result:{job_id}"
+
+
+def delta_stream_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:deltas:{job_id}"
+
+
+def cancel_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:cancel:{job_id}"

@@ -1,0 +1,192 @@
+"""Jobs and results: the JSON that producers put on a queue and that consumers read back.
+
+Validation lives here (pydantic) so that every source decodes a message the same way. Sampling
+parameters are validated by the engine's own SamplingParams, so the rules live in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qworker.engine.sampling_params import SamplingParams
+
+# A body past this size is failed before it is parsed: parsing and tokenizing megabytes would
+# stall every running job for seconds, and no model here has a context anywhere near it.
+MAX_JOB_BYTES = 2 * 2**20
+# ~4 characters per token: far past the longest context we serve, still cheap to reject.
+MAX_PROMPT_CHARS = 1_000_000
+MAX_JOB_ID_CHARS = 256
+
+# Namespace for ids derived from a message's queue identity when the producer gave none, so
+# that a redelivered message maps to the same job id (and so to the same single result).
+_JOB_ID_NAMESPACE = uuid.UUID("6f1b2c64-8d7e-4c55-9a0e-2f4a3b1c9d10")
+
+
+class JobStatus(str, Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field(min_length=1)
+    content: str
+
+
+class Job(BaseModel):
+    """One generation job. Exactly one of `prompt`, `messages`, `prompt_token_ids` is given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=MAX_JOB_ID_CHARS)
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    priority: int = 0
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Execution deadline, from when a worker takes the job."
+    )
+    ttl_s: float | None = Field(
+        default=None, gt=0, description="Longest time the job may wait in the queue before it first starts."
+    )
+    metadata: dict[str, Any] | None = Field(default=None, description="Passed through to the result.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> Job:
+        given = [
+            name for name in ("prompt", "messages", "prompt_token_ids") if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of prompt, messages, prompt_token_ids"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty: give at least one {role, content} message")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        return self
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Wall-clock times (Unix seconds). A stage the job never reached stays None."""
+
+    enqueued_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+class JobError(BaseModel):
+    type: str
+    message: str
+
+
+class JobResult(BaseModel):
+    """The one stored outcome of a job."""
+
+    id: str
+    status: JobStatus
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    error: JobError | None = None
+    attempts: int = 1
+    worker: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class JobDecodeError(Exception):
+    """A message that is not a valid job. `error_type` goes into the failed result."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.message = message
+
+
+def derived_job_id(queue_name: str, message_id: str) -> str:
+    """A stable job id for a message whose producer gave none."""
+    return str(uuid.uuid5(_JOB_ID_NAMESPACE, f"{queue_name}/{message_id}"))
+
+
+def resolve_job_id(envelope_id: str | None, body: bytes, queue_name: str, message_id: str) -> str | None:
+    """The id a message's result is stored under, or None when the message is too broken to know.
+
+    The envelope's id (a stream field, a message attribute) wins; else the body's `id`; else, for a
+    body that is a JSON object without one, an id derived from the message's queue identity.
+    """
+    if envelope_id:
+        return envelope_id
+    if len(body) > MAX_JOB_BYTES:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    job_id = data.get("id")
+    if job_id is None:
+        return derived_job_id(queue_name, message_id)
+    return job_id if isinstance(job_id, str) and 0 < len(job_id) <= MAX_JOB_ID_CHARS else None
+
+
+def format_validation_error(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors(include_url=False):
+        loc = ".".join(str(x) for x in item["loc"]) or "job"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            message = "unknown field"
+        parts.append(f"{loc}: {message}")
+    return "; ".join(parts)
+
+
+def decode_job(body: bytes, job_id: str) -> Job:
+    """Parse and validate a job body. `job_id` (from the envelope) is used when the body has none.
+
+    Raises JobDecodeError with a message that says what to fix.
+    """
+    if len(body) > MAX_JOB_BYTES:
+        raise JobDecodeError(
+            "JobTooLarge",
+            f"job body is {len(body) / 2**20:.1f} MiB; the limit is {MAX_JOB_BYTES // 2**20} MiB",
+        )
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise JobDecodeError("InvalidJSON", f"job body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise JobDecodeError("ValidationError", f"a job must be a JSON object, got {type(data).__name__}")
+    if "id" in data and data["id"] != job_id:
+        raise JobDecodeError(
+            "ValidationError", f"job id {data['id']!r} differs from its envelope id {job_id!r}"
+        )
+    data = {**data, "id": job_id}
+    try:
+        return Job.model_validate(data)
+    except ValidationError as exc:
+        raise JobDecodeError("ValidationError", format_validation_error(exc)) from None
+
+
+def encode_job(job: Job) -> bytes:
+    return job.model_dump_json(exclude_none=True).encode()

@@ -1,0 +1,400 @@
+"""The worker loop: take jobs the KV cache can serve, run them in one continuous batch, stream
+their tokens out, store one result each, and only then ack them.
+
+One iteration: (1) admission decides how many jobs to pull and the source leases them; each is
+decoded and either resolved at once (bad input, expired, cancelled, already done) or added to the
+engine; (2) one engine step; its deltas go out in one write and finished jobs get their results;
+(3) housekeeping on timers: lease extension, cancel flags, deadlines, stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from qworker.engine.outputs import RequestOutput, StepOutput
+from qworker.errors import InvalidRequestError
+from qworker.worker.admission import AdmissionPolicy, AdmissionStats, HeldJobSize
+from qworker.worker.jobs import (
+    Job,
+    JobDecodeError,
+    JobError,
+    JobResult,
+    JobStatus,
+    Timings,
+    Usage,
+    decode_job,
+    resolve_job_id,
+)
+from qworker.worker.settings import WorkerSettings
+from qworker.worker.sinks.base import Delta, ResultSink
+from qworker.worker.sources.base import JobSource, Lease
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _HeldJob:
+    """A job this worker holds a lease on and has handed to the engine."""
+
+    job: Job
+    lease: Lease
+    num_prompt_tokens: int
+    leased_at: float
+    deadline: float | None
+    num_output_tokens: int = 0
+    # The same job id delivered again while it runs (a producer's duplicate): acked with it.
+    extra_leases: list[Lease] = field(default_factory=list)
+
+
+@dataclass
+class WorkerStats:
+    admission: AdmissionStats | None = None
+    num_completed: int = 0
+    num_failed: int = 0
+    num_timeout: int = 0
+    num_cancelled: int = 0
+    num_dead_lettered: int = 0
+    num_released: int = 0
+    # Redelivered jobs that already had a result: acked without running.
+    num_skipped_done: int = 0
+    num_leases_lost: int = 0
+    num_steps: int = 0
+
+
+class Worker:
+    """Serves jobs from `source` with `engine`, writing to `sink`. Call run(); stop() drains."""
+
+    def __init__(
+        self, engine: Any, source: JobSource, sink: ResultSink, settings: WorkerSettings | None = None
+    ) -> None:
+        self.engine = engine
+        self.source = source
+        self.sink = sink
+        self.settings = settings or WorkerSettings()
+        self.name = self.settings.name
+        self.admission = AdmissionPolicy(
+            block_size=engine.config.block_size,
+            max_backlog=self.settings.max_backlog,
+            reserve_blocks_per_seq=self.settings.reserve_blocks_per_seq,
+            max_jobs_held=engine.config.max_num_seqs + self.settings.max_backlog,
+        )
+        self.stats = WorkerStats()
+        self._held: dict[str, _HeldJob] = {}
+        self._stop = threading.Event()
+        self._drain_deadline: float | None = None
+        # Seconds per engine step, smoothed: estimates whether a job can finish during a drain.
+        self._step_seconds = 0.05
+        extend_every = self.settings.lease_extend_interval_s or source.lease_timeout_s / 3
+        self._timers = {
+            "extend": (extend_every, 0.0),
+            "cancel": (self.settings.cancel_check_interval_s, 0.0),
+            "stats": (self.settings.stats_interval_s, 0.0),
+        }
+
+    # -- control -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Begin a drain: stop pulling, finish what can finish within the grace, release the rest."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.stop())
+
+    @property
+    def num_jobs_held(self) -> int:
+        return len(self._held)
+
+    def run(self, burst: bool = False) -> WorkerStats:
+        """Serve until stop() (then drain) or, with burst=True, until the queue has nothing left."""
+        logger.info("worker %s started", self.name)
+        while True:
+            if self._stop.is_set() and self._drain_deadline is None:
+                self._begin_drain()
+            if self._drain_deadline is not None:
+                self._drain_tick()
+                if not self._held:
+                    break
+            else:
+                num_leased = self._pull(block=not self._held and not burst)
+                if burst and num_leased == 0 and not self._held:
+                    break
+            self._housekeeping()
+            if self.engine.has_unfinished_requests():
+                self._step()
+        self._write_stats(self.admission_stats())
+        logger.info("worker %s stopped: %s", self.name, self.stats)
+        return self.stats
+
+    # -- admission and intake ----------------------------------------------------------------
+
+    def admission_stats(self) -> AdmissionStats:
+        kv = self.engine.kv_stats()
+        jobs = [
+            HeldJobSize(
+                h.num_prompt_tokens, h.job.params.max_tokens, h.num_output_tokens, h.num_output_tokens > 0
+            )
+            for h in self._held.values()
+        ]
+        decision = self.admission.decide(kv.num_total_blocks, kv.num_free_blocks, jobs)
+        self.stats.admission = decision
+        return decision
+
+    def _pull(self, block: bool) -> int:
+        decision = self.admission_stats()
+        if decision.num_jobs_to_pull == 0:
+            return 0
+        leases = self.source.lease(decision.num_jobs_to_pull, self.settings.poll_interval_s if block else 0.0)
+        for lease in leases:
+            self._take(lease)
+        return len(leases)
+
+    def _take(self, lease: Lease) -> None:
+        """Decode one leased message and resolve it at once or hand it to the engine."""
+        job_id = resolve_job_id(lease.job_id, lease.body, self.source.queue_name, lease.message_id)
+        if job_id is None:
+            self._dead_letter(
+                lease, "cannot read a job id: the body is not a JSON object and has no id field"
+            )
+            return
+        held = self._held.get(job_id)
+        if held is not None:
+            if lease.message_id == held.lease.message_id:
+                held.lease = lease  # our own entry again: the lease was renewed by the claim
+            else:
+                held.extra_leases.append(lease)
+            return
+        if self.sink.has_result(job_id):
+            self.stats.num_skipped_done += 1
+            self.source.ack(lease)
+            return
+        if lease.delivery_count > self.settings.max_attempts:
+            reason = f"delivered {lease.delivery_count} times; max_attempts is {self.settings.max_attempts}"
+            error = JobError(type="DeadLettered", message=reason)
+            # The result first, so that a client waiting on this id hears why; then the message moves.
+            self.sink.write_result(self._result(job_id, None, lease, JobStatus.FAILED, error, None))
+            self._dead_letter(lease, reason)
+            return
+        try:
+            job = decode_job(lease.body, job_id)
+        except JobDecodeError as exc:
+            self._fail(lease, job_id, None, exc.error_type, exc.message)
+            return
+        now = time.time()
+        if job.ttl_s is not None and lease.delivery_count == 1 and lease.enqueued_at is not None:
+            waited = now - lease.enqueued_at
+            if waited > job.ttl_s:
+                self._fail(
+                    lease, job_id, job, "Expired", f"waited {waited:.1f}s in the queue; ttl_s is {job.ttl_s}"
+                )
+                return
+        if self.sink.cancelled_ids([job_id]):
+            self._finish_without_engine(lease, job_id, job, JobStatus.CANCELLED, None)
+            return
+        try:
+            prompt = self._prompt(job)
+            self.engine.add_request(
+                job_id, prompt, job.params, priority=job.priority, arrival_time=lease.enqueued_at or now
+            )
+        except InvalidRequestError as exc:
+            self._fail(lease, job_id, job, type(exc).__name__, str(exc))
+            return
+        except Exception as exc:  # a tokenizer or chat template that rejects this input
+            logger.warning("job %s: cannot prepare its prompt", job_id, exc_info=True)
+            self._fail(lease, job_id, job, "InvalidRequestError", f"cannot prepare the prompt: {exc}")
+            return
+        num_prompt_tokens = len(prompt["prompt_token_ids"])
+        self.admission.observe_prompt(num_prompt_tokens)
+        deadline = now + job.timeout_s if job.timeout_s is not None else None
+        self._held[job_id] = _HeldJob(job, lease, num_prompt_tokens, now, deadline)
+
+    def _prompt(self, job: Job) -> dict[str, Any]:
+        """The job's prompt as token ids (so that admission knows its size before the engine does)."""
+        if job.prompt_token_ids is not None:
+            return {"prompt_token_ids": list(job.prompt_token_ids)}
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send prompt_token_ids")
+        if job.messages is not None:
+            return {
+                "prompt_token_ids": self.engine.apply_chat_template([m.model_dump() for m in job.messages])
+            }
+        assert job.prompt is not None, "Job validation guarantees one prompt form"
+        text, token_ids = self.engine.tokenize(job.prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    # -- the engine step ---------------------------------------------------------------------
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        step_outputs: list[StepOutput] = self.engine.step()
+        self.stats.num_steps += 1
+        deltas = []
+        finished = []
+        for out in step_outputs:
+            held = self._held.get(out.request_id)
+            if held is None:
+                continue
+            held.num_output_tokens += len(out.new_token_ids)
+            if out.text_delta or out.new_token_ids:
+                deltas.append(Delta(out.request_id, out.text_delta, list(out.new_token_ids)))
+            if out.finished:
+                finished.append((held, out.output))
+        # Deltas first: a live reader sees every delta before the done marker of the result.
+        self.sink.write_deltas(deltas)
+        for held, output in finished:
+            assert output is not None, "a finished step output carries the whole result"
+            self._complete(held, output, JobStatus.COMPLETED, None)
+        elapsed = time.perf_counter() - started
+        self._step_seconds += 0.2 * (elapsed - self._step_seconds)
+
+    # -- resolving jobs ----------------------------------------------------------------------
+
+    def _result(
+        self,
+        job_id: str,
+        job: Job | None,
+        lease: Lease,
+        status: JobStatus,
+        error: JobError | None,
+        output: RequestOutput | None,
+    ) -> JobResult:
+        timings = Timings(enqueued_at=lease.enqueued_at, finished_at=time.time())
+        result = JobResult(
+            id=job_id,
+            status=status,
+            error=error,
+            attempts=lease.delivery_count,
+            worker=self.name,
+            metadata=job.metadata if job is not None else None,
+            timings=timings,
+        )
+        if output is not None:
+            completion = output.outputs[0]
+            result.text = completion.text
+            result.token_ids = list(completion.token_ids)
+            result.finish_reason = completion.finish_reason if status is JobStatus.COMPLETED else status.value
+            result.usage = Usage(
+                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(completion.token_ids)
+            )
+            timings.started_at = output.metrics.first_scheduled_time
+            timings.first_token_at = output.metrics.first_token_time
+            timings.finished_at = output.metrics.finished_time or timings.finished_at
+        return result
+
+    def _store_and_ack(self, result: JobResult, leases: list[Lease]) -> None:
+        """The one place a job ends: its result is stored, and only then is its message acked."""
+        if not self.sink.write_result(result):
+            logger.info("job %s already had a result; keeping that one", result.id)
+        for lease in leases:
+            self.source.ack(lease)
+        counter = f"num_{result.status.value}"
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+    def _complete(
+        self, held: _HeldJob, output: RequestOutput | None, status: JobStatus, error: JobError | None
+    ) -> None:
+        self._held.pop(held.job.id, None)
+        result = self._result(held.job.id, held.job, held.lease, status, error, output)
+        self._store_and_ack(result, [held.lease, *held.extra_leases])
+
+    def _finish_without_engine(
+        self, lease: Lease, job_id: str, job: Job | None, status: JobStatus, error: JobError | None
+    ) -> None:
+        self._store_and_ack(self._result(job_id, job, lease, status, error, None), [lease])
+
+    def _fail(self, lease: Lease, job_id: str, job: Job | None, error_type: str, message: str) -> None:
+        logger.info("job %s failed: %s: %s", job_id, error_type, message[:200])
+        self._finish_without_engine(
+            lease, job_id, job, JobStatus.FAILED, JobError(type=error_type, message=message)
+        )
+
+    def _dead_letter(self, lease: Lease, reason: str) -> None:
+        logger.warning("message %s dead-lettered: %s", lease.message_id, reason)
+        self.source.dead_letter(lease, reason)
+        self.stats.num_dead_lettered += 1
+
+    def _abort(self, held: _HeldJob, status: JobStatus, error: JobError | None) -> None:
+        """Stop a held job in the engine (freeing its blocks) and store its partial result."""
+        output = self.engine.abort(held.job.id)
+        self._complete(held, output, status, error)
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    def _due(self, timer: str) -> bool:
+        interval, last = self._timers[timer]
+        now = time.monotonic()
+        if now - last < interval:
+            return False
+        self._timers[timer] = (interval, now)
+        return True
+
+    def _housekeeping(self) -> None:
+        now = time.time()
+        for held in [h for h in self._held.values() if h.deadline is not None and now >= h.deadline]:
+            message = f"job ran past its timeout_s of {held.job.timeout_s}s"
+            self._abort(held, JobStatus.TIMEOUT, JobError(type="Timeout", message=message))
+        if self._held and self._due("cancel"):
+            for job_id in self.sink.cancelled_ids(list(self._held)):
+                self._abort(self._held[job_id], JobStatus.CANCELLED, None)
+        if self._held and self._due("extend"):
+            leases = [le for h in self._held.values() for le in (h.lease, *h.extra_leases)]
+            lost = {le.message_id for le in self.source.extend(leases)}
+            for held in [h for h in self._held.values() if h.lease.message_id in lost]:
+                # A peer owns the message now and will run it; running it too would only waste work.
+                logger.warning("job %s: lease lost to a peer; dropping it here", held.job.id)
+                self.engine.abort(held.job.id)
+                self._held.pop(held.job.id)
+                self.stats.num_leases_lost += 1
+        if self._due("stats"):
+            self._write_stats(self.admission_stats())
+
+    def _write_stats(self, admission: AdmissionStats) -> None:
+        logger.debug(
+            "worker %s: %d held (%d not started), %d free blocks, %d reserved, %d committed",
+            self.name,
+            admission.num_jobs_held,
+            admission.num_jobs_not_started,
+            admission.num_free_blocks,
+            admission.num_reserved_blocks,
+            admission.num_committed_blocks,
+        )
+        self.sink.write_worker_stats(self.name, self.stats)
+
+    # -- drain -------------------------------------------------------------------------------
+
+    def _begin_drain(self) -> None:
+        self._drain_deadline = time.monotonic() + self.settings.drain_grace_s
+        logger.info(
+            "worker %s draining: %d jobs held, grace %.1fs",
+            self.name,
+            len(self._held),
+            self.settings.drain_grace_s,
+        )
+
+    def _drain_tick(self) -> None:
+        """Release every held job that cannot finish before the grace period ends."""
+        assert self._drain_deadline is not None
+        # Keep a margin for releasing and exiting.
+        time_left = self._drain_deadline - time.monotonic() - max(0.5, 3 * self._step_seconds)
+        to_release = []
+        for held in self._held.values():
+            if held.num_output_tokens == 0:
+                # Not started: a peer can start it as soon as we could.
+                to_release.append(held)
+                continue
+            steps_left = held.job.params.max_tokens - held.num_output_tokens
+            if steps_left * self._step_seconds > time_left:
+                to_release.append(held)
+        if not to_release:
+            return
+        for held in to_release:
+            self.engine.abort(held.job.id)
+            self._held.pop(held.job.id)
+        self.source.release([le for h in to_release for le in (h.lease, *h.extra_leases)])
+        self.stats.num_released += len(to_release)
+        logger.info("worker %s released %d jobs to its peers", self.name, len(to_release))

@@ -1,0 +1,124 @@
+"""Result sink on Redis.
+
+- Deltas: XADD to `{prefix}:deltas:{id}` with an approximate MAXLEN and a TTL, one pipeline per
+  engine step. A final entry with a `done` field tells live readers the result is stored.
+- Result: `SET {prefix}:result:{id} <json> NX EX ttl`. NX makes the first writer win, so a job
+  that two workers ran (a lease lost during a stall) still has exactly one result.
+- Cancel flags: `{prefix}:cancel:{id}`, with a TTL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from qworker.worker import constants
+from qworker.worker.jobs import JobResult
+from qworker.worker.sinks.base import Delta, ResultSink
+
+# A live reader wakes at least this often to check for a result written without a done marker
+# reaching it (its delta stream expired or was trimmed).
+_READ_POLL_S = 1.0
+WORKER_STATS_TTL_S = 30
+
+
+class RedisResultSink(ResultSink):
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        prefix: str = constants.DEFAULT_RESULT_PREFIX,
+        result_ttl_s: int = constants.DEFAULT_RESULT_TTL_S,
+        delta_ttl_s: int = constants.DEFAULT_DELTA_TTL_S,
+        delta_maxlen: int = constants.DEFAULT_DELTA_MAXLEN,
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.result_ttl_s = result_ttl_s
+        self.delta_ttl_s = delta_ttl_s
+        self.delta_maxlen = delta_maxlen
+        # Jobs whose delta stream has its TTL set; forgotten when the result is written.
+        self._has_expiry: set[str] = set()
+
+    def write_deltas(self, deltas: list[Delta]) -> None:
+        if not deltas:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for delta in deltas:
+            key = constants.delta_stream_key(self.prefix, delta.job_id)
+            fields = {
+                constants.DELTA_FIELD_TEXT: delta.text,
+                constants.DELTA_FIELD_TOKEN_IDS: json.dumps(delta.token_ids),
+            }
+            pipe.xadd(key, fields, maxlen=self.delta_maxlen, approximate=True)
+            if delta.job_id not in self._has_expiry:
+                # Once per job: EXPIRE on every token would double the commands per step.
+                pipe.expire(key, self.delta_ttl_s)
+                self._has_expiry.add(delta.job_id)
+        pipe.execute()
+
+    def write_result(self, result: JobResult) -> bool:
+        self._has_expiry.discard(result.id)
+        key = constants.result_key(self.prefix, result.id)
+        deltas_key = constants.delta_stream_key(self.prefix, result.id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(key, result.model_dump_json(), nx=True, ex=self.result_ttl_s)
+        pipe.xadd(deltas_key, {constants.DELTA_FIELD_DONE: result.status.value}, maxlen=self.delta_maxlen)
+        pipe.expire(deltas_key, self.delta_ttl_s)
+        is_stored, _, _ = pipe.execute()
+        return bool(is_stored)
+
+    def has_result(self, job_id: str) -> bool:
+        return bool(self.redis.exists(constants.result_key(self.prefix, job_id)))
+
+    def get_result(self, job_id: str) -> JobResult | None:
+        raw = self.redis.get(constants.result_key(self.prefix, job_id))
+        return JobResult.model_validate_json(raw) if raw is not None else None
+
+    def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
+        key = constants.delta_stream_key(self.prefix, job_id)
+        last_id = "0-0"
+        last_progress = time.monotonic()
+        done_field = constants.DELTA_FIELD_DONE.encode()
+        while True:
+            wait_s = _READ_POLL_S
+            if timeout_s is not None:
+                wait_s = min(wait_s, max(0.001, timeout_s - (time.monotonic() - last_progress)))
+            reply = self.redis.xread({key: last_id}, count=256, block=max(1, int(wait_s * 1000)))
+            for _key, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    if done_field in fields:
+                        return
+                    yield Delta(
+                        job_id,
+                        fields[constants.DELTA_FIELD_TEXT.encode()].decode(),
+                        json.loads(fields[constants.DELTA_FIELD_TOKEN_IDS.encode()]),
+                    )
+                last_progress = time.monotonic()
+            if not reply:
+                if self.has_result(job_id):
+                    return
+                if timeout_s is not None and time.monotonic() - last_progress >= timeout_s:
+                    raise TimeoutError(f"no output from job {job_id} for {timeout_s:.1f}s")
+
+    def request_cancel(self, job_id: str) -> None:
+        self.redis.set(constants.cancel_key(self.prefix, job_id), b"1", ex=constants.DEFAULT_CANCEL_TTL_S)
+
+    def cancelled_ids(self, job_ids: list[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        flags = self.redis.mget([constants.cancel_key(self.prefix, job_id) for job_id in job_ids])
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag is not None}
+
+    def write_worker_stats(self, worker_name: str, stats: Any) -> None:
+        key = f"{self.prefix}:worker:{worker_name}"
+        payload = json.dumps(dataclasses.asdict(stats))
+        # Expires soon after the worker stops reporting: the set of keys is the set of live workers.
+        self.redis.set(key, payload, ex=WORKER_STATS_TTL_S)
+
+    def close(self) -> None:
+        self.redis.close()

@@ -1,0 +1,98 @@
+"""The job-source interface: what the worker loop needs from a queue.
+
+A source hands out leases. A lease is a message the worker holds until it acks it (done, the
+result is stored), releases it (give it back at once for a peer), or dead-letters it (never
+retry). While a job runs, the worker extends its lease so that peers do not take it. A lease
+that is neither acked nor extended expires, and the queue hands the message out again; that is
+how a killed worker loses nothing.
+
+Redis Streams, SQS and Celery (over a broker) all map onto this:
+- lease:       XREADGROUP + XAUTOCLAIM  | ReceiveMessage            | basic_get without ack
+- extend:      XCLAIM JUSTID (idle=0)   | ChangeMessageVisibility   | (broker holds it while connected)
+- ack:         XACK                     | DeleteMessage             | basic_ack
+- release:     set idle past the lease  | ChangeMessageVisibility 0 | basic_reject(requeue=True)
+- dead_letter: XADD to a dead stream    | SendMessage to the DLQ    | publish to a dead-letter queue
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+@dataclass
+class Lease:
+    """One message held by this worker."""
+
+    # The queue's own handle for the message (a stream entry id, an SQS receipt handle).
+    message_id: str
+    # The raw body: decoding it (and failing it when it is not a job) is the worker's business.
+    body: bytes
+    # The job id carried next to the body (a stream field, a message attribute). When the
+    # producer gave none, the source derives a stable one from the message's identity.
+    job_id: str | None
+    # How many times the queue has handed this message out, this time included.
+    delivery_count: int
+    # When the message entered the queue (Unix seconds), as the queue itself recorded it.
+    enqueued_at: float | None
+
+
+class JobSource(abc.ABC):
+    """A queue of jobs, seen by one worker (one consumer)."""
+
+    # How long a lease lasts without extension (seconds). The loop extends well before it ends.
+    lease_timeout_s: float
+    # Names the queue in derived job ids (see jobs.resolve_job_id).
+    queue_name: str
+
+    @abc.abstractmethod
+    def lease(self, max_count: int, block_s: float) -> list[Lease]:
+        """Take up to `max_count` messages, expired leases of dead peers first.
+
+        Waits up to `block_s` for a message when none is ready (0: do not wait).
+        """
+
+    @abc.abstractmethod
+    def extend(self, leases: list[Lease]) -> list[Lease]:
+        """Reset the lease timer of each held message. Returns the leases that were lost (a peer
+        took the message after our lease expired); the worker must drop those jobs."""
+
+    @abc.abstractmethod
+    def ack(self, lease: Lease) -> None:
+        """The job's result is stored: remove the message for good."""
+
+    @abc.abstractmethod
+    def release(self, leases: list[Lease]) -> None:
+        """Give the messages back now, so that a peer can take them without waiting for the lease."""
+
+    @abc.abstractmethod
+    def dead_letter(self, lease: Lease, reason: str) -> None:
+        """Move the message to the dead-letter queue with the reason, and ack it."""
+
+    def num_pending(self) -> int | None:
+        """Messages this consumer holds, as the queue sees them (for stats); None if unknown."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release network resources."""
+
+
+@dataclass
+class OutgoingJob:
+    job_id: str
+    body: bytes
+
+
+class JobProducer(abc.ABC):
+    """The sending side of a queue, used by the client."""
+
+    @abc.abstractmethod
+    def send(self, jobs: list[OutgoingJob]) -> list[str]:
+        """Enqueue the jobs (in one round trip where the queue allows). Returns their message ids."""
+
+    def queue_depth(self) -> int | None:
+        """Messages waiting or held, for autoscaling and tests; None if the queue cannot tell."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release network resources."""

@@ -1,0 +1,221 @@
+"""Job source on a Redis Stream with a consumer group.
+
+- lease: XAUTOCLAIM of entries whose lease expired (their consumer died), then XREADGROUP.
+- extend: XCLAIM ... JUSTID resets an entry's idle time without counting a delivery.
+- ack: XACK + XDEL in one transaction, after the result is stored.
+- release: set the entry's idle time past the lease, so the next XAUTOCLAIM of any peer takes it.
+- dead_letter: XADD the entry with its reason to the dead-letter stream, then ack it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from qworker.worker import constants
+from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
+
+# Extend or release only the entries this consumer still owns: after a stall past the lease,
+# a peer may have claimed one, and a blind XCLAIM would steal it back.
+# KEYS[1] stream; ARGV: group, consumer, idle_ms, ids... Returns the ids we no longer own.
+_CLAIM_OWNED_LUA = """
+local lost = {}
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if entry[1] ~= nil and entry[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', ARGV[3], 'JUSTID')
+  else
+    table.insert(lost, id)
+  end
+end
+return lost
+"""
+
+# Dead-letter entries are kept for inspection, up to about this many.
+DEAD_LETTER_MAXLEN = 100_000
+# A released entry looks idle for this long: well past any lease, so the next reclaim takes it.
+RELEASED_IDLE_MS = 10 * 365 * 24 * 3600 * 1000
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisStreamSource(JobSource):
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        stream: str = constants.DEFAULT_STREAM,
+        group: str = constants.DEFAULT_GROUP,
+        consumer: str,
+        dead_letter_stream: str | None = None,
+        lease_timeout_s: float = 30.0,
+        reclaim_interval_s: float = 1.0,
+    ) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.dead_letter_stream = dead_letter_stream or constants.dead_letter_stream(stream)
+        self.lease_timeout_s = lease_timeout_s
+        self.reclaim_interval_s = reclaim_interval_s
+        self.queue_name = f"redis-stream:{stream}"
+        self._claim_owned = redis.register_script(_CLAIM_OWNED_LUA)
+        self._reclaim_cursor = "0-0"
+        self._last_reclaim = 0.0
+        ensure_group(redis, stream, group)
+
+    # -- lease -------------------------------------------------------------------------------
+
+    def lease(self, max_count: int, block_s: float) -> list[Lease]:
+        if max_count <= 0:
+            return []
+        leases: list[Lease] = []
+        is_reclaimed = time.monotonic() - self._last_reclaim >= self.reclaim_interval_s
+        if is_reclaimed:
+            leases += self._reclaim(max_count)
+        if len(leases) < max_count:
+            leases += self._read_new(max_count - len(leases), block_s if not leases else 0.0)
+        if not leases and not is_reclaimed:
+            # Nothing new: look for expired leases now rather than at the next interval, so that
+            # an idle (or burst) worker never overlooks a dead peer's jobs.
+            leases += self._reclaim(max_count)
+        return leases
+
+    def _read_new(self, count: int, block_s: float) -> list[Lease]:
+        block_ms = int(block_s * 1000) if block_s > 0 else None
+        reply = self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        leases = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                leases.append(self._make_lease(entry_id, fields, delivery_count=1))
+        return leases
+
+    def _reclaim(self, count: int) -> list[Lease]:
+        self._last_reclaim = time.monotonic()
+        min_idle_ms = int(self.lease_timeout_s * 1000)
+        reply = self.redis.xautoclaim(
+            self.stream, self.group, self.consumer, min_idle_ms, start_id=self._reclaim_cursor, count=count
+        )
+        cursor, entries = reply[0], reply[1]
+        self._reclaim_cursor = _text(cursor)
+        entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        if not entries:
+            return []
+        # XAUTOCLAIM does not return delivery counts; XPENDING does (one round trip for all).
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id, _ in entries:
+            pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        counts = []
+        for info in pipe.execute():
+            counts.append(int(info[0]["times_delivered"]) if info else 1)
+        return [
+            self._make_lease(entry_id, fields, count)
+            for (entry_id, fields), count in zip(entries, counts, strict=True)
+        ]
+
+    def _make_lease(self, entry_id: Any, fields: dict[Any, Any], delivery_count: int) -> Lease:
+        message_id = _text(entry_id)
+        body = fields.get(constants.FIELD_BODY.encode(), fields.get(constants.FIELD_BODY, b""))
+        job_id = fields.get(constants.FIELD_JOB_ID.encode(), fields.get(constants.FIELD_JOB_ID))
+        # Entry ids start with the server's clock in milliseconds when the entry was added.
+        enqueued_at = int(message_id.split("-")[0]) / 1000.0
+        return Lease(
+            message_id=message_id,
+            body=body if isinstance(body, bytes) else str(body).encode(),
+            job_id=_text(job_id) if job_id else None,
+            delivery_count=delivery_count,
+            enqueued_at=enqueued_at,
+        )
+
+    # -- holding and letting go --------------------------------------------------------------
+
+    def extend(self, leases: list[Lease]) -> list[Lease]:
+        if not leases:
+            return []
+        lost = self._claim_owned(
+            keys=[self.stream], args=[self.group, self.consumer, 0, *[le.message_id for le in leases]]
+        )
+        lost_ids = {_text(x) for x in lost}
+        return [le for le in leases if le.message_id in lost_ids]
+
+    def ack(self, lease: Lease) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xack(self.stream, self.group, lease.message_id)
+        # Acked entries are deleted so that the stream does not grow without bound. (A second
+        # consumer group on the same stream would need them kept; qworker uses one group.)
+        pipe.xdel(self.stream, lease.message_id)
+        pipe.execute()
+
+    def release(self, leases: list[Lease]) -> None:
+        if leases:
+            self._claim_owned(
+                keys=[self.stream],
+                args=[self.group, self.consumer, RELEASED_IDLE_MS, *[le.message_id for le in leases]],
+            )
+
+    def dead_letter(self, lease: Lease, reason: str) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        entry = {
+            "source_stream": self.stream,
+            "message_id": lease.message_id,
+            "reason": reason,
+            "delivery_count": lease.delivery_count,
+            constants.FIELD_BODY: lease.body,
+        }
+        if lease.job_id is not None:
+            entry[constants.FIELD_JOB_ID] = lease.job_id
+        pipe.xadd(self.dead_letter_stream, entry, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        pipe.xack(self.stream, self.group, lease.message_id)
+        pipe.xdel(self.stream, lease.message_id)
+        pipe.execute()
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def num_pending(self) -> int | None:
+        summary = self.redis.xpending(self.stream, self.group)
+        for consumer in summary.get("consumers") or []:
+            if _text(consumer["name"]) == self.consumer:
+                return int(consumer["pending"])
+        return 0
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def ensure_group(redis: Any, stream: str, group: str) -> None:
+    """Create the stream and its consumer group if missing (from the start of the stream)."""
+    import redis as redis_lib
+
+    try:
+        redis.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis_lib.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class RedisStreamProducer(JobProducer):
+    def __init__(
+        self, redis: Any, *, stream: str = constants.DEFAULT_STREAM, group: str = constants.DEFAULT_GROUP
+    ):
+        self.redis = redis
+        self.stream = stream
+        self.group = group
+        # The group exists before the first job, so that no job predates it unseen.
+        ensure_group(redis, stream, group)
+
+    def send(self, jobs: list[OutgoingJob]) -> list[str]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xadd(self.stream, {constants.FIELD_JOB_ID: job.job_id, constants.FIELD_BODY: job.body})
+        return [_text(x) for x in pipe.execute()]
+
+    def queue_depth(self) -> int | None:
+        return int(self.redis.xlen(self.stream))
+
+    def close(self) -> None:
+        self.redis.close()
