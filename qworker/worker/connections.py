@@ -11,7 +11,7 @@ sqs://, celery+redis:// and s3:// register here too (issue 4), behind the same i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from qworker.errors import QworkerError
 from qworker.worker import constants
@@ -40,7 +40,9 @@ def parse_url(url: str, known_params: set[str]) -> ParsedURL:
     query = parse_qsl(parts.query, keep_blank_values=True)
     params = {k: v for k, v in query if k in known_params}
     rest = [(k, v) for k, v in query if k not in known_params]
-    connection_url = urlunsplit(parts._replace(query=urlencode(rest)))
+    # Rebuilt by hand: urlunsplit turns unix:///path into unix:/path.
+    base = url.split("?", 1)[0]
+    connection_url = f"{base}?{urlencode(rest)}" if rest else base
     return ParsedURL(parts.scheme, connection_url, params)
 
 
@@ -65,7 +67,7 @@ def _number(params: dict[str, str], name: str, default: float) -> float:
 def redis_client(connection_url: str):  # -> redis.Redis
     import redis
 
-    return redis.Redis.from_url(connection_url, socket_keepalive=True, health_check_interval=30)
+    return redis.Redis.from_url(connection_url, health_check_interval=30)
 
 
 SOURCE_PARAMS = {"stream", "group", "dead_letter", "lease_timeout_s"}
