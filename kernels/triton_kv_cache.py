@@ -1,0 +1,149 @@
+"""Write the new tokens' K and V into the paged KV cache by slot mapping.
+
+k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; token t goes to
+slot_mapping[t] = block_id * block_size + offset_in_block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens] int64
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    # One program per token: all its heads at once, [HEADS_PAD, HEAD_DIM_PAD].
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block_id = slot // block_size
+    offset = slot % block_size
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    tl.store(
+        k_cache_ptr
+        + block_id * stride_kcb
+        + offset * stride_kcs
+        + offs_h[:, None] * stride_kch
+        + offs_d[None, :],
+        k,
+        mask=mask,
+    )
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(
+        v_cache_ptr
+        + block_id * stride_vcb
+        + offset * stride_vcs
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :],
+        v,
+        mask=mask,
+    )
+
+
+def _check_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            "k and v must both be [num_tokens, num_kv_heads, head_dim], "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"k's (num_kv_heads, head_dim) {tuple(k.shape[1:])} != the cache's {tuple(k_cache.shape[2:])}"
+        )
+    if k.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {k.dtype}")
+    if not (v.dtype == k_cache.dtype == v_cache.dtype == k.dtype):
+        raise ValueError(
+            f"k, v, k_cache, v_cache dtypes differ: {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be [num_tokens={k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride(-1) == 1), got {t.stride()}")
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if t.device != k.device:
+            raise ValueError(f"{name} is on {t.device}, k is on {k.device}")
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v [num_tokens, num_kv_heads, head_dim] into k_cache, v_cache [num_blocks, block_size,
+    num_kv_heads, head_dim] at the slots in slot_mapping [num_tokens] int64 (block_id * block_size +
+    offset). Slots must be in range and distinct; they are not checked (that would need a device sync).
+    """
+    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip
+
+
+def write_kv_cache_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain-torch `write_kv_cache`."""
+    block_size = k_cache.shape[1]
+    block_ids = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    k_cache[block_ids, offsets] = k
+    v_cache[block_ids, offsets] = v
