@@ -76,7 +76,7 @@ def write_tiny_model_dir(target: Path, **config_overrides: Any) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     for name in os.listdir(tokenizer_dir):
-        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy(Path(tokenizer_dir) / name, target / name)
     return target
 
