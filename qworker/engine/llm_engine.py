@@ -11,6 +11,7 @@ import torch
 
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
+from qworker.engine.cuda_graphs import DecodeCudaGraphs, should_use_cuda_graphs
 from qworker.engine.detokenizer import IncrementalDetokenizer
 from qworker.engine.kv_cache_manager import KVCacheManager, cdiv
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
@@ -24,6 +25,7 @@ from qworker.model.attention import select_attention_backend
 from qworker.model.config import ModelConfig
 from qworker.model.llama import LlamaForCausalLM
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from qworker.model.ops import select_model_ops
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_config = ModelConfig.from_hf(hf_config)
         self.max_model_len = self._max_model_len()
-        model = LlamaForCausalLM(self.model_config, max_positions=self.max_model_len)
+        backend = select_attention_backend(config.attention_backend, self.device)
+        model = LlamaForCausalLM(
+            self.model_config, max_positions=self.max_model_len, ops=select_model_ops(backend.name)
+        )
         if state_dict is not None:
             model.load_hf_state_dict(state_dict)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -100,8 +105,11 @@ class LLMEngine:
         mc = self.model_config
         # One allocation for every layer: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim].
         # Zeroed: padding block ids in block tables point into it and must not hold NaNs.
+        # One block more than the pool hands out: the padding rows of a CUDA-graph decode batch
+        # write their K/V there.
+        self.padding_block_id = num_blocks
         self._kv_cache = torch.zeros(
-            (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
+            (mc.num_layers, 2, num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
@@ -117,7 +125,6 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        backend = select_attention_backend(config.attention_backend, self.device)
         self.attention_backend_name = backend.name
         self.runner = ModelRunner(
             self.model,
@@ -127,6 +134,17 @@ class LLMEngine:
             Sampler(tuple(sorted(self.eos_token_ids)), seed=config.seed),
             self.device,
         )
+        if should_use_cuda_graphs(self.device, config.enforce_eager, backend):
+            self.runner.cuda_graphs = DecodeCudaGraphs(
+                self.model,
+                kv_caches,
+                backend,
+                block_size=config.block_size,
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                padding_block_id=self.padding_block_id,
+                device=self.device,
+            )
         self._states: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.startup_seconds = time.perf_counter() - started

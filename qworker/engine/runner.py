@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,6 +12,9 @@ from qworker.engine.sampler import Sampler, SamplingRow
 from qworker.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qworker.model.attention import AttentionBackend, AttentionMetadata
 from qworker.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from qworker.engine.cuda_graphs import DecodeCudaGraphs
 
 
 @dataclass
@@ -42,6 +46,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        # Set by the engine on CUDA unless enforce_eager: pure-decode steps replay a graph.
+        self.cuda_graphs: DecodeCudaGraphs | None = None
 
     def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
         # Decodes (one query token) first: the attention backend runs them as one batch.
@@ -83,6 +89,8 @@ class ModelRunner:
             query_lens_list=query_lens.tolist(),
             block_ids_list=[item.block_ids for item in items],
             block_size=self.block_size,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(device),
@@ -100,7 +108,10 @@ class ModelRunner:
         if plan.is_empty:
             return {}
         inputs = self.prepare_inputs(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
+            hidden = self.cuda_graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
         if not inputs.sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

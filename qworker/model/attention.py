@@ -29,6 +29,10 @@ class AttentionMetadata:
     query_lens_list: list[int]
     block_ids_list: list[list[int]]
     block_size: int
+    # Largest query length and context length in the batch, known on the host: the Triton
+    # backend picks its kernel (decode or varlen) and its split count from them without a sync.
+    max_query_len: int
+    max_seq_len: int
 
     @property
     def num_decode_tokens(self) -> int:

@@ -6,25 +6,28 @@ from torch import nn
 
 from qworker.model.attention import AttentionBackend, AttentionMetadata
 from qworker.model.config import ModelConfig
+from qworker.model.ops import TORCH_OPS, ModelOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers' LlamaRMSNorm, for token-exact parity.
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
+        self.ops = ops
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, config.rope_inv_freq.float())
         # cos/sin: [max_positions, head_dim // 2]
@@ -35,15 +38,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, KVH, D]; rotate-half convention of HF Llama.
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return self.ops.apply_rotary(q, k, positions, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -81,37 +76,40 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.ops = ops
         # gate and up fused: [hidden] -> [2 * intermediate]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache."""
+    """A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    `ops` picks the norm, rotary and activation implementations (see qworker.model.ops).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.rotary = RotaryEmbedding(config, max_positions, ops)
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
@@ -128,15 +126,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] after the final norm."""
         hidden = self.embed_tokens(input_ids)
+        # Each residual add is fused into the norm that follows it: hidden, residual [T, hidden].
+        residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            if residual is None:
+                residual, hidden = hidden, layer.input_layernorm(hidden)
+            else:
+                hidden, residual = layer.input_layernorm.add_and_norm(hidden, residual)
             hidden = layer.self_attn(positions, hidden, self.rotary, k_cache, v_cache, meta, backend)
-            hidden = residual + hidden
-            residual = hidden
-            hidden = layer.mlp(layer.post_attention_layernorm(hidden))
-            hidden = residual + hidden
-        return self.norm(hidden)
+            hidden, residual = layer.post_attention_layernorm.add_and_norm(hidden, residual)
+            hidden = layer.mlp(hidden)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] in float32 for the sampler.

@@ -1,0 +1,55 @@
+"""Attention on the Triton kernels of `qworker_kernels`: one KV-cache write and one paged-attention
+launch per layer for the whole varlen batch (decode rows and prefill chunks together).
+
+Runs on CUDA, and on CPU under TRITON_INTERPRET=1 (tests). Nothing here syncs with the device, so
+a decode step through this backend can be captured in a CUDA graph (qworker.engine.cuda_graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qworker.model.attention import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    name = "triton"
+    # Static shapes and no host syncs: the engine may capture decode steps in CUDA graphs.
+    supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        # Imported on first use, not at module load: triton reads TRITON_INTERPRET when the
+        # kernels are decorated.
+        from qworker_kernels.triton_kv_cache import write_kv_cache
+        from qworker_kernels.triton_paged_attention import paged_attention
+
+        self._write_kv_cache = write_kv_cache
+        self._paged_attention = paged_attention
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv are fine) -> [T, H, D]."""
+        self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # A fresh contiguous output: q is usually a strided view into the qkv projection.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # With max_query_len == 1 (a pure decode batch) this goes to the split-K decode kernel.
+        return self._paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            out,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+        )
