@@ -129,12 +129,13 @@ def main() -> None:
     qw = run_qworker(llm, requests)
     qw["startup_seconds"] = startup
     print(
-        f"qworker:   {qw['output_throughput']:8.1f} output tok/s  ({qw['seconds']:.1f}s, {qw['steps']} steps, "
-        f"{qw['preemptions']} preemptions)"
+        f"qworker:   {qw['output_throughput']:8.1f} output tok/s  ({qw['seconds']:.1f}s, "
+        f"{qw['steps']} steps, {qw['preemptions']} preemptions)"
     )
+    share = qw["peak_kv_slots"] / qw["contiguous_reservation_slots"]
     print(
         f"  KV: peak {qw['peak_kv_slots']} slots in use vs {qw['contiguous_reservation_slots']} for a "
-        f"contiguous prompt+max_tokens reservation ({qw['peak_kv_slots'] / qw['contiguous_reservation_slots']:.1%})"
+        f"contiguous prompt+max_tokens reservation ({share:.1%})"
     )
     result = {"workload": spec.name, "num_requests": len(requests), "qworker": qw}
     if not args.skip_hf:

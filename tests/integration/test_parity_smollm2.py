@@ -91,11 +91,8 @@ def run(prompt_ids, **engine_args):
 
 
 def test_a_all_at_once_defaults(prompt_ids, expected):
-    llm, got = run(prompt_ids)
+    _, got = run(prompt_ids)
     assert got == expected
-    # Some prompts stop at EOS before max_tokens, others run to the length cap.
-    reasons = {o for o in (len(g) < MAX_TOKENS for g in got)}
-    assert reasons <= {True, False}
 
 
 def test_b_every_prompt_chunked(prompt_ids, expected):
