@@ -1,0 +1,147 @@
+"""The engine on the Triton backend (attention, KV write, RMSNorm, rotary, SiLU-and-mul kernels)
+gives the same greedy tokens as on the torch backend, on a tiny random Llama.
+
+Without a GPU the engine runs on the CPU and the kernels under TRITON_INTERPRET=1 (set here and
+in conftest.py before triton is imported), where every program is numpy code: the model and the
+prompts are kept tiny. With a GPU the same tests run the engine on CUDA, CUDA graphs included.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated; see conftest.py
+
+import random
+
+import pytest
+
+from qworker.engine.cuda_graphs import DecodeCudaGraphs
+from qworker.engine.sampling_params import SamplingParams
+from tests.conftest import hf_greedy, run_to_completion, tiny_engine, tiny_hf_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.timeout(240)
+
+MAX_TOKENS = 6
+# head_dim 16 (hidden 64 / 4 heads), GQA 2: the smallest shapes the kernels take.
+MODEL_ARGS = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    # A single token, less than a block, more than two blocks of 4, and several blocks.
+    return [[rng.randrange(3, 256) for _ in range(length)] for length in (1, 5, 9, 23)]
+
+
+def generate(engine) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts())]
+    outs = run_to_completion(engine)
+    assert engine.kv_stats().num_used_blocks == 0
+    return [outs[i].outputs[0].token_ids for i in ids]
+
+
+def engine(model, backend: str, **args):
+    return tiny_engine(model, attention_backend=backend, device=DEVICE, **args)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_hf_model("llama", seed=3, **MODEL_ARGS).to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def torch_tokens(model) -> list[list[int]]:
+    tokens = generate(engine(model, "torch"))
+    # The torch backend is the one checked against transformers; keep the chain explicit.
+    assert tokens == [hf_greedy(model.cpu(), p, MAX_TOKENS) for p in prompts()]
+    model.to(DEVICE)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        # Chunked prefill: chunks of <= 5 tokens after a cached prefix, mixed with decodes.
+        {"max_num_batched_tokens": 5},
+        # Block size 16, chunks of 7: a chunk and its prefix straddle a block boundary.
+        {"block_size": 16, "max_num_batched_tokens": 7},
+    ],
+    ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default",
+)
+def test_triton_backend_matches_torch(model, torch_tokens, engine_args) -> None:
+    triton_engine = engine(model, "triton", **engine_args)
+    assert triton_engine.attention_backend_name == "triton"
+    assert triton_engine.model.ops.name == "triton"
+    assert generate(triton_engine) == torch_tokens
+
+
+def test_triton_backend_with_preemption(model, torch_tokens) -> None:
+    # 8 blocks of 4 slots: the 23-token prompt alone needs 8 once it has grown to 29 tokens.
+    triton_engine = engine(model, "triton", num_kv_blocks=8, block_size=4)
+    assert generate(triton_engine) == torch_tokens
+    assert triton_engine.scheduler.num_preemptions > 0
+
+
+def test_padded_decode_graph_batches(model, torch_tokens, monkeypatch) -> None:
+    """Pure-decode steps through DecodeCudaGraphs: 4 sequences in the graph of 4, then 3 of them
+    padded to 4 once the first finishes. On CUDA the engine captures real graphs; on the CPU the
+    same static, padded buffers run eagerly (capture=False)."""
+    triton_engine = engine(model, "triton", max_num_seqs=4)
+    graphs = triton_engine.runner.cuda_graphs
+    if DEVICE == "cpu":
+        assert graphs is None, "CUDA graphs must stay off on the CPU"
+        graphs = DecodeCudaGraphs(
+            triton_engine.model,
+            triton_engine.runner.kv_caches,
+            triton_engine.runner.backend,
+            block_size=triton_engine.config.block_size,
+            max_model_len=triton_engine.max_model_len,
+            max_num_seqs=triton_engine.config.max_num_seqs,
+            padding_block_id=triton_engine.padding_block_id,
+            device=triton_engine.device,
+            capture=False,
+        )
+        triton_engine.runner.cuda_graphs = graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    padded_batches: list[tuple[int, int]] = []
+    run = graphs.run
+
+    def counting_run(inputs):
+        num_seqs = inputs.meta.query_start_loc.shape[0] - 1
+        padded_batches.append((num_seqs, graphs.padded_size(num_seqs)))
+        return run(inputs)
+
+    monkeypatch.setattr(graphs, "run", counting_run)
+    # The 1-token prompt stops one token early: the batch of 4 shrinks to 3, padded to 4.
+    ids = [
+        triton_engine.add_request(
+            f"r{i}",
+            {"prompt_token_ids": p},
+            SamplingParams(max_tokens=MAX_TOKENS - (i == 0), temperature=0.0, ignore_eos=True),
+        )
+        for i, p in enumerate(prompts())
+    ]
+    outs = run_to_completion(triton_engine)
+    tokens = [outs[i].outputs[0].token_ids for i in ids]
+    expected = [t[: MAX_TOKENS - (i == 0)] for i, t in enumerate(torch_tokens)]
+    assert tokens == expected
+    assert (4, 4) in padded_batches and (3, 4) in padded_batches, padded_batches
+
+
+@pytest.mark.parametrize("forced,requested", [("triton", "torch"), ("torch", "triton"), ("triton", "auto")])
+def test_env_var_forces_the_backend(model, monkeypatch, forced: str, requested: str) -> None:
+    monkeypatch.setenv("QWORKER_ATTENTION_BACKEND", forced)
+    forced_engine = engine(model, requested)
+    assert forced_engine.attention_backend_name == forced
+    assert forced_engine.runner.backend.name == forced
+    assert forced_engine.model.ops.name == forced
+
+
+def test_auto_picks_by_device(model, monkeypatch) -> None:
+    monkeypatch.delenv("QWORKER_ATTENTION_BACKEND", raising=False)
+    expected = "triton" if DEVICE == "cuda" else "torch"
+    assert engine(model, "auto").attention_backend_name == expected
