@@ -1,0 +1,272 @@
+"""`qworker bench`: serving benchmarks of qworker against baselines, in one run, on one request set.
+
+The function is typer-compatible (qworker/cli.py registers it) and callable from Python.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from qworker.bench.metrics import DEFAULT_PERCENTILES, parse_slo
+from qworker.bench.registry import BenchSettings, SystemSpec, build_system, parse_systems
+from qworker.bench.sweep import RequestSet, parse_rates, run_sweep
+from qworker.bench.system import RunLimits, System
+from qworker.bench.workload import generate_requests, load_workload
+
+MODES = ("engine", "queue")
+DEFAULT_DRAIN_TIMEOUT_S = 180.0
+
+
+def _host_info() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _default_baseline(specs: list[SystemSpec]) -> str | None:
+    labels = [s.label for s in specs]
+    for candidate in ("hf-static", "hf-sequential"):
+        if candidate in labels:
+            return candidate
+    return next((s.label for s in specs if s.kind.startswith("hf")), None)
+
+
+def _build_systems(
+    specs: list[SystemSpec],
+    modes: list[str],
+    settings: BenchSettings,
+    out: Path,
+    queue_url: str | None,
+    spawn_worker: bool,
+) -> tuple[list[System], list[str]]:
+    systems: list[System] = []
+    notes: list[str] = []
+    for mode in modes:
+        for spec in specs:
+            if mode == "engine":
+                systems.append(build_system(spec, settings))
+            elif not spec.is_qworker:
+                notes.append(f"{spec.label} has no queue mode (it is an in-process baseline); skipped there.")
+            else:
+                from qworker.bench.queue_client import QueueClientSystem, worker_args
+
+                systems.append(
+                    QueueClientSystem(
+                        spec.label,
+                        queue_url,
+                        out,
+                        settings.model,
+                        settings.dtype,
+                        settings.device,
+                        worker_args(spec.label, spec.options, settings.engine_overrides),
+                        spawn_worker=spawn_worker,
+                    )
+                )
+    return systems, notes
+
+
+def bench(
+    workload: Annotated[
+        Path, typer.Option("--workload", "-w", help="Workload spec JSON (see ../shared/workloads)")
+    ],
+    mode: Annotated[
+        str, typer.Option(help="engine, queue, or engine,queue (both, same requests)")
+    ] = "engine",
+    systems: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: qworker[:key=value...], qworker-static, qworker-nochunk, "
+            "hf-static[:batch=N], hf-sequential, vllm. "
+            "Example: qworker,qworker:chunked=off,qworker:block_size=32,hf-static"
+        ),
+    ] = "qworker,hf-static",
+    rate: Annotated[
+        str | None,
+        typer.Option(
+            help="Request rates to sweep, e.g. 0.5,1,2,4 (inf: all at once). Default: the spec's own"
+        ),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Output folder: results.json, report.md, *.png")] = Path(
+        "bench_out"
+    ),
+    slo: Annotated[
+        str | None, typer.Option(help="Goodput SLOs in ms, e.g. ttft_ms=2000,tpot_ms=200,e2el_ms=30000")
+    ] = None,
+    num_requests: Annotated[int | None, typer.Option(help="Override the spec's number of requests")] = None,
+    seed: Annotated[int | None, typer.Option(help="Override the spec's seed")] = None,
+    batch_size: Annotated[int, typer.Option(help="Batch size of hf-static and qworker-static")] = 32,
+    drain_timeout_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a run may go on after its last arrival; what is not done then counts as timed out "
+            "(0: no limit)"
+        ),
+    ] = DEFAULT_DRAIN_TIMEOUT_S,
+    request_timeout_s: Annotated[
+        float | None, typer.Option(help="Per-request limit from send to finish (default: none)")
+    ] = None,
+    model: Annotated[str, typer.Option(help="smollm2, a Hugging Face directory or a .gguf file")] = "smollm2",
+    dtype: str = "bfloat16",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (every system uses the same)")] = "auto",
+    block_size: Annotated[int | None, typer.Option(help="qworker default block size")] = None,
+    num_kv_blocks: Annotated[
+        int | None, typer.Option(help="qworker KV blocks (default: from memory)")
+    ] = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    warmup: Annotated[int, typer.Option(help="Warm-up requests per system before measuring")] = 1,
+    percentiles: Annotated[str, typer.Option(help="Percentiles to report")] = ",".join(
+        f"{p:g}" for p in DEFAULT_PERCENTILES
+    ),
+    sustain_ttft_s: Annotated[
+        float, typer.Option(help="p99 TTFT a system must stay under to 'sustain' a rate (saturation table)")
+    ] = 5.0,
+    baseline: Annotated[str | None, typer.Option(help="System the ratios are taken against")] = None,
+    queue_url: Annotated[
+        str | None, typer.Option(help="Queue mode: Redis URL (default: 127.0.0.1:6379 if up, else embedded)")
+    ] = None,
+    spawn_worker: Annotated[
+        bool, typer.Option(help="Queue mode: start a `qworker worker` for the run (else use running ones)")
+    ] = True,
+    plots: Annotated[bool, typer.Option(help="Render PNG plots")] = True,
+    progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
+) -> None:
+    """Benchmark serving: TTFT, TPOT, ITL, E2EL, throughput and goodput, per system, same requests."""
+    from qworker.bench.report import comparisons, render_report_md, saturation, write_results_json
+    from qworker.model.loader import load_hf_config, load_tokenizer, resolve_model
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    modes = [m.strip() for m in mode.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise typer.BadParameter(f"--mode must be engine, queue or engine,queue; got {mode!r}")
+    try:
+        spec = load_workload(workload).with_overrides(num_requests=num_requests, seed=seed)
+        specs = parse_systems(systems)
+        rates = parse_rates(rate)
+        slo_limits = parse_slo(slo)
+    except ValueError as exc:  # WorkloadError, SystemSpecError, SLOError: say what to fix, no traceback
+        raise typer.BadParameter(str(exc)) from None
+    pcts = [float(p) for p in percentiles.split(",") if p.strip()]
+    if not pcts or any(not 0 < p < 100 for p in pcts):
+        raise typer.BadParameter(f"--percentiles must be numbers in (0, 100); got {percentiles!r}")
+    baseline = baseline or _default_baseline(specs)
+    overrides = {
+        k: v
+        for k, v in {
+            "block_size": block_size,
+            "num_kv_blocks": num_kv_blocks,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+        }.items()
+        if v is not None
+    }
+    settings = BenchSettings(
+        model=model,
+        dtype=dtype,
+        device=device,
+        batch_size=batch_size,
+        num_warmup_requests=warmup,
+        engine_overrides=overrides,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+
+    # The request set depends on the spec, the seed and the model's vocabulary only.
+    model_path = resolve_model(model).path
+    tokenizer = load_tokenizer(model_path)
+    vocab_size = load_hf_config(model_path).vocab_size
+    excluded = list(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    request_sets = []
+    for r in rates:
+        rate_spec = spec.with_overrides(rate=r)
+        request_sets.append(
+            RequestSet(r, rate_spec, generate_requests(rate_spec, vocab_size, tokenize, excluded))
+        )
+
+    built, notes = _build_systems(specs, modes, settings, out, queue_url, spawn_worker)
+    limits = RunLimits(
+        drain_timeout_s=drain_timeout_s if drain_timeout_s > 0 else None, request_timeout_s=request_timeout_s
+    )
+    try:
+        for system in built:
+            typer.echo(f"loading and warming up {system.label} ({system.mode}) ...", err=True)
+            system.prepare()
+        runs = run_sweep(built, request_sets, limits, slo_limits, pcts, show_progress=progress)
+        described = {f"{s.label} [{s.mode}]": s.describe() for s in built}
+    finally:
+        for system in built:
+            system.close()
+
+    payload: dict[str, Any] = {
+        "meta": {
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["qworker", "bench", *sys.argv[2:]])
+            if len(sys.argv) > 1 and sys.argv[1] == "bench"
+            else shlex.join(sys.argv),
+            "host": _host_info(),
+            "modes": modes,
+            "systems": [s.label for s in specs],
+            "baseline": baseline,
+            "slo": slo_limits,
+            "percentiles": pcts,
+            "drain_timeout_s": limits.drain_timeout_s,
+            "request_timeout_s": limits.request_timeout_s,
+            "sustain_ttft_s": sustain_ttft_s,
+            "settings": {
+                "model": model,
+                "dtype": dtype,
+                "device": device,
+                "batch_size": batch_size,
+                "warmup": warmup,
+                "engine_overrides": overrides,
+            },
+        },
+        "workload": spec.to_dict(),
+        "request_sets": [rs.describe() for rs in request_sets],
+        "system_configs": described,
+        "runs": runs,
+        "comparisons": comparisons(runs, baseline),
+        "saturation": saturation(runs, sustain_ttft_s),
+        "notes": notes,
+    }
+    plot_files = []
+    if plots:
+        from qworker.bench.plots import make_plots
+
+        plot_files = make_plots(payload, out)
+    payload["plots"] = plot_files
+    write_results_json(out / "results.json", payload)
+    (out / "report.md").write_text(render_report_md(payload, plot_files))
+    typer.echo(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plot_files)} plot(s)", err=True)
+    _print_summary(runs)
+
+
+def _print_summary(runs: list[dict[str, Any]]) -> None:
+    for run in runs:
+        s = run["summary"]
+        p99 = s["p99_ttft_ms"]
+        typer.echo(
+            f"{run['name']:<28} {run['rate_label']:>12}  completed {s['completed']}/{s['num_prompts']}  "
+            f"out {s['output_throughput']:8.1f} tok/s  p99 TTFT "
+            + (f"{p99:9.0f} ms" if p99 is not None else "        –")
+        )

@@ -1,0 +1,178 @@
+"""System spec strings (`--systems`) -> systems under test.
+
+Grammar: comma-separated systems, each `kind[:key=value[:key=value...]]`, for example
+`qworker,qworker:chunked=off,qworker:block_size=32,qworker-static,hf-static:batch=16`.
+The spec string itself is the system's label in tables and plots.
+
+kinds and their options:
+- `qworker`: any EngineConfig field (block_size=32, max_num_batched_tokens=512, ...),
+  `chunked=on|off` (enable_chunked_prefill), `admission=continuous|static`, `batch=N`
+  (the static batch size; default --batch-size). Aliases: `qworker-static`
+  (admission=static), `qworker-nochunk` (chunked=off).
+- `hf-static`: `batch=N` (default --batch-size). `hf-sequential`: hf-static with batch=1.
+- `vllm`: `block_size`, `max_num_seqs`, `max_num_batched_tokens`, `chunked`; needs the `vllm`
+  package (the CPU build lives in its own venv; see docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from qworker.bench.system import System
+from qworker.config import EngineConfig
+
+KINDS = ("qworker", "hf-static", "hf-sequential", "vllm")
+ALIASES: dict[str, tuple[str, dict[str, str]]] = {
+    "qworker-static": ("qworker", {"admission": "static"}),
+    "qworker-nochunk": ("qworker", {"chunked": "off"}),
+}
+_BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False}
+
+
+class SystemSpecError(ValueError):
+    """A --systems entry that cannot be understood."""
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    label: str
+    kind: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_qworker(self) -> bool:
+        return self.kind == "qworker"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Settings shared by every system in a run (from the command line)."""
+
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    batch_size: int = 32
+    num_warmup_requests: int = 1
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_systems(text: str) -> list[SystemSpec]:
+    specs = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        head, *parts = item.split(":")
+        kind, options = ALIASES.get(head, (head, {}))
+        if kind not in KINDS:
+            raise SystemSpecError(f"unknown system {head!r}; known: {list(KINDS) + list(ALIASES)}")
+        options = dict(options)
+        for part in parts:
+            key, sep, value = part.partition("=")
+            if not sep or not key:
+                raise SystemSpecError(f"system {item!r}: option {part!r} is not key=value")
+            options[key.strip()] = value.strip()
+        specs.append(SystemSpec(item, kind, options))
+    if not specs:
+        raise SystemSpecError("no systems given")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise SystemSpecError(f"a system is listed twice: {labels}")
+    return specs
+
+
+def _parse_bool(spec: SystemSpec, key: str, value: str) -> bool:
+    if value.lower() not in _BOOL_WORDS:
+        raise SystemSpecError(f"system {spec.label!r}: {key}={value!r} is not on/off")
+    return _BOOL_WORDS[value.lower()]
+
+
+def _parse_int(spec: SystemSpec, key: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise SystemSpecError(f"system {spec.label!r}: {key}={value!r} is not an integer") from None
+    if number < 1:
+        raise SystemSpecError(f"system {spec.label!r}: {key} must be >= 1")
+    return number
+
+
+def engine_config_for(spec: SystemSpec, settings: BenchSettings) -> tuple[EngineConfig, int | None]:
+    """The qworker EngineConfig and static batch size (None: continuous) for a spec."""
+    types = {f.name: f.type for f in fields(EngineConfig)}
+    args: dict[str, Any] = {"model": settings.model, "dtype": settings.dtype, "device": settings.device}
+    args.update(settings.engine_overrides)
+    static_batch_size: int | None = None
+    admission = "continuous"
+    for key, value in spec.options.items():
+        if key == "chunked":
+            args["enable_chunked_prefill"] = _parse_bool(spec, key, value)
+        elif key == "admission":
+            if value not in ("continuous", "static"):
+                raise SystemSpecError(f"system {spec.label!r}: admission must be continuous or static")
+            admission = value
+        elif key == "batch":
+            static_batch_size = _parse_int(spec, key, value)
+        elif key in types:
+            kind = str(types[key])
+            if "bool" in kind:
+                args[key] = _parse_bool(spec, key, value)
+            elif "int" in kind:
+                args[key] = _parse_int(spec, key, value)
+            elif "float" in kind:
+                args[key] = float(value)
+            else:
+                args[key] = value
+        else:
+            raise SystemSpecError(f"system {spec.label!r}: unknown option {key!r}")
+    if admission == "static":
+        static_batch_size = static_batch_size or settings.batch_size
+    elif static_batch_size is not None:
+        raise SystemSpecError(f"system {spec.label!r}: batch= needs admission=static")
+    try:
+        return EngineConfig(**args), static_batch_size
+    except (TypeError, ValueError) as exc:
+        raise SystemSpecError(f"system {spec.label!r}: {exc}") from None
+
+
+def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
+    """The system object; nothing is loaded until its prepare()."""
+    if spec.kind == "qworker":
+        from qworker.bench.qworker_engine import QworkerEngineSystem
+
+        config, static_batch_size = engine_config_for(spec, settings)
+        return QworkerEngineSystem(spec.label, config, static_batch_size, settings.num_warmup_requests)
+    if spec.kind in ("hf-static", "hf-sequential"):
+        import torch
+
+        from qworker.bench.hf_generate import HFGenerateSystem
+        from qworker.engine.llm_engine import resolve_device, resolve_dtype
+        from qworker.model.loader import resolve_model
+
+        unknown = set(spec.options) - {"batch"}
+        if unknown:
+            raise SystemSpecError(f"system {spec.label!r}: unknown option(s) {sorted(unknown)}")
+        if spec.kind == "hf-sequential":
+            if "batch" in spec.options:
+                raise SystemSpecError("hf-sequential runs one request at a time; use hf-static:batch=N")
+            batch_size = 1
+        else:
+            batch_size = _parse_int(spec, "batch", spec.options.get("batch", str(settings.batch_size)))
+        device = resolve_device(settings.device)
+        dtype: torch.dtype = resolve_dtype(settings.dtype, device)
+        return HFGenerateSystem(
+            spec.label,
+            str(resolve_model(settings.model).path),
+            batch_size,
+            dtype=dtype,
+            device=str(device),
+            num_warmup_requests=settings.num_warmup_requests,
+        )
+    if spec.kind == "vllm":
+        from qworker.bench.vllm_engine import VLLMEngineSystem, vllm_options
+
+        return VLLMEngineSystem(
+            spec.label, settings.model, settings.dtype, vllm_options(spec.label, spec.options)
+        )
+    raise AssertionError(f"unhandled kind {spec.kind}")

@@ -1,0 +1,391 @@
+"""results.json and report.md from a finished sweep: tables, ratios against the baseline measured
+in the same run, and the saturation rate of each system."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# The rate at which p99 TTFT "breaks" in the saturation table (seconds).
+BREAK_TTFT_S = 10.0
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if math.isinf(value) or math.isnan(value):
+            return str(value)
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _ms_pair(summary: dict[str, Any], metric: str, stats: Sequence[str]) -> str:
+    return " / ".join(_fmt(summary.get(f"{s}_{metric}_ms")) for s in stats)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def is_clean(summary: dict[str, Any]) -> bool:
+    return summary["failed"] == 0
+
+
+def comparisons(runs: Sequence[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
+    """Each run against the baseline's engine-mode run at the same rate (same requests)."""
+    if baseline is None:
+        return []
+    base_by_rate = {r["rate_label"]: r for r in runs if r["system"] == baseline and r["mode"] == "engine"}
+    out = []
+    for run in runs:
+        base = base_by_rate.get(run["rate_label"])
+        if base is None or run is base:
+            continue
+        s, b = run["summary"], base["summary"]
+        out.append(
+            {
+                "name": run["name"],
+                "baseline": base["name"],
+                "rate_label": run["rate_label"],
+                "output_throughput_x": _ratio(s["output_throughput"], b["output_throughput"]),
+                "request_throughput_x": _ratio(s["request_throughput"], b["request_throughput"]),
+                # Latency ratios are baseline / system: above 1 means the system is faster.
+                "p99_ttft_speedup": _ratio(b["p99_ttft_ms"], s["p99_ttft_ms"]),
+                "p99_itl_speedup": _ratio(b["p99_itl_ms"], s["p99_itl_ms"]),
+                "p99_e2el_speedup": _ratio(b["p99_e2el_ms"], s["p99_e2el_ms"]),
+                "both_clean": is_clean(s) and is_clean(b),
+            }
+        )
+    return out
+
+
+def saturation(runs: Sequence[dict[str, Any]], sustain_ttft_s: float) -> list[dict[str, Any]]:
+    """Per system: the highest rate (going up from the lowest) it sustained, meaning every
+    request completed and p99 TTFT <= sustain_ttft_s, and the first rate where p99 TTFT passed
+    BREAK_TTFT_S. Only finite rates count."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        if run["rate"] is not None:
+            by_name.setdefault(run["name"], []).append(run)
+    out = []
+    for name, system_runs in by_name.items():
+        system_runs.sort(key=lambda r: r["rate"])
+        sustained = None
+        for run in system_runs:
+            s = run["summary"]
+            p99 = s["p99_ttft_ms"]
+            if is_clean(s) and p99 is not None and p99 <= sustain_ttft_s * 1000:
+                sustained = run["rate"]
+            else:
+                break
+        broke = next(
+            (
+                r["rate"]
+                for r in system_runs
+                if not is_clean(r["summary"])
+                or r["summary"]["p99_ttft_ms"] is None
+                or r["summary"]["p99_ttft_ms"] > BREAK_TTFT_S * 1000
+            ),
+            None,
+        )
+        out.append(
+            {
+                "name": name,
+                "rates": [r["rate"] for r in system_runs],
+                "max_sustained_rate": sustained,
+                "sustain_ttft_s": sustain_ttft_s,
+                "first_rate_p99_ttft_over_break": broke,
+                "break_ttft_s": BREAK_TTFT_S,
+            }
+        )
+    return out
+
+
+def write_results_json(path: Path, payload: dict[str, Any]) -> None:
+    def default(value: Any) -> Any:
+        if isinstance(value, Path):
+            return str(value)
+        raise TypeError(f"cannot write {type(value).__name__} to results.json")
+
+    # allow_nan=False: a NaN or inf sneaking into results.json is a bug to see, not to ship.
+    path.write_text(json.dumps(payload, indent=1, default=default, allow_nan=False))
+
+
+def _error_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
+    lines = []
+    for run in runs:
+        errors = Counter(
+            f"{rec['status']}: {rec['error'] or 'no message'}"
+            for rec in run["records"]
+            if rec["status"] != "completed"
+        )
+        for message, count in errors.most_common():
+            lines.append(f"- {run['name']} @ {run['rate_label']}: {count} × {message}")
+    return lines
+
+
+def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
+    runs = payload["runs"]
+    meta = payload["meta"]
+    workload = payload["workload"]
+    percentiles = meta["percentiles"]
+    pkeys = [f"p{int(p)}" if float(p).is_integer() else f"p{p}" for p in percentiles]
+    lines = [f"# Benchmark report: {workload['name']}", ""]
+    if workload.get("about"):
+        lines += [f"> {workload['about']}", ""]
+    host = meta["host"]
+    lines += [
+        f"Run {meta['created_at']} on {host['platform']} ({host['cpu_count']} CPUs, torch "
+        f"{host['torch_version']}, {host['torch_threads']} threads). Command: `{meta['command']}`",
+        "",
+        "Timestamps are taken where tokens appear (engine mode: after each engine step; queue mode: "
+        "on the client as deltas arrive). Latency statistics cover completed requests; `failed` "
+        "counts every request that did not complete, `timeout` the part of it that ran out of time.",
+        "",
+        "## Request sets",
+        "",
+    ]
+    rows = [
+        [
+            rs["rate_label"],
+            str(rs["num_requests"]),
+            _fmt(rs["mean_prompt_len"]),
+            str(rs["max_prompt_len"]),
+            _fmt(rs["mean_output_len"]),
+            str(rs["max_output_len"]),
+            _fmt(rs["last_arrival_s"]),
+            f"`{rs['sha256'][:16]}`",
+            f"`{rs['sha256_without_arrivals'][:16]}`",
+        ]
+        for rs in payload["request_sets"]
+    ]
+    lines += _table(
+        [
+            "rate",
+            "requests",
+            "mean prompt",
+            "max prompt",
+            "mean output",
+            "max output",
+            "last arrival (s)",
+            "sha256",
+            "sha256 w/o arrivals",
+        ],
+        rows,
+    )
+    lines += ["", "## Results", ""]
+    slo = meta.get("slo") or {}
+    header = [
+        "system",
+        "rate",
+        "completed",
+        "failed (timeout)",
+        "req/s",
+        "output tok/s",
+        "total tok/s",
+        f"TTFT mean / median / {' / '.join(pkeys)} (ms)",
+        f"TPOT median / {pkeys[-1]} (ms)",
+        f"ITL median / {pkeys[-1]} (ms)",
+        f"E2EL median / {pkeys[-1]} (ms)",
+    ]
+    if slo:
+        header.append("goodput (req/s)")
+    rows = []
+    for run in runs:
+        s = run["summary"]
+        row = [
+            run["name"],
+            run["rate_label"],
+            f"{s['completed']}/{s['num_prompts']}",
+            f"{s['failed']} ({s['timed_out']})",
+            _fmt(s["request_throughput"], 2),
+            _fmt(s["output_throughput"]),
+            _fmt(s["total_token_throughput"]),
+            _ms_pair(s, "ttft", ["mean", "median", *pkeys]),
+            _ms_pair(s, "tpot", ["median", pkeys[-1]]),
+            _ms_pair(s, "itl", ["median", pkeys[-1]]),
+            _ms_pair(s, "e2el", ["median", pkeys[-1]]),
+        ]
+        if slo:
+            row.append(_fmt(s.get("request_goodput"), 2))
+        rows.append(row)
+    lines += _table(header, rows)
+    if slo:
+        lines += ["", "Goodput SLOs: " + ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items()) + "."]
+
+    comps = payload.get("comparisons") or []
+    if comps:
+        lines += [
+            "",
+            f"## Against the baseline ({meta['baseline']}), same rate, same requests",
+            "",
+            "Throughput: system ÷ baseline. Latency: baseline ÷ system (above 1: the system is faster). "
+            "A ratio involving a run with failures is marked *; its latencies cover completed requests only.",
+            "",
+        ]
+        rows = [
+            [
+                c["name"],
+                c["rate_label"],
+                _fmt(c["output_throughput_x"], 2) + ("" if c["both_clean"] else " *"),
+                _fmt(c["request_throughput_x"], 2),
+                _fmt(c["p99_ttft_speedup"], 2),
+                _fmt(c["p99_itl_speedup"], 2),
+                _fmt(c["p99_e2el_speedup"], 2),
+            ]
+            for c in comps
+        ]
+        lines += _table(
+            ["system", "rate", "output tok/s ×", "req/s ×", "p99 TTFT ×", "p99 ITL ×", "p99 E2EL ×"], rows
+        )
+
+    sat = payload.get("saturation") or []
+    if sat and any(len(s["rates"]) > 1 for s in sat):
+        threshold = sat[0]["sustain_ttft_s"]
+        lines += [
+            "",
+            "## Saturation",
+            "",
+            f"Sustained: the highest rate, going up the sweep, at which every request completed with "
+            f"p99 TTFT ≤ {threshold:g} s. Breaks: the first rate with p99 TTFT > {BREAK_TTFT_S:g} s "
+            "or any failure.",
+            "",
+        ]
+        rows = [
+            [
+                s["name"],
+                ", ".join(f"{r:g}" for r in s["rates"]),
+                _fmt(s["max_sustained_rate"], 2) if s["max_sustained_rate"] is not None else "none",
+                _fmt(s["first_rate_p99_ttft_over_break"], 2)
+                if s["first_rate_p99_ttft_over_break"] is not None
+                else "not within the sweep",
+            ]
+            for s in sat
+        ]
+        lines += _table(["system", "rates (req/s)", "sustained (req/s)", "breaks at (req/s)"], rows)
+        base = next((s for s in sat if s["name"] == meta.get("baseline")), None)
+        if base is not None:
+            for s in sat:
+                if s is base:
+                    continue
+                ratio = _ratio(s["max_sustained_rate"], base["max_sustained_rate"])
+                lines.append("")
+                lines.append(
+                    f"{s['name']} sustains {_fmt(ratio, 2)}× the rate {base['name']} sustains."
+                    if ratio is not None
+                    else f"{s['name']} against {base['name']}: no ratio (one of them sustained no rate "
+                    "in this sweep)."
+                )
+
+    kv_runs = [r for r in runs if r.get("kv")]
+    if kv_runs:
+        lines += [
+            "",
+            "## KV cache",
+            "",
+            "Waste is reserved-but-empty slots over reserved slots, summed over engine steps. Paged: the "
+            "empty tail of each request's last block. Contiguous: reserving prompt + max_tokens per "
+            "running request up front. max_model_len: reserving the whole context per request.",
+            "",
+        ]
+        rows = []
+        for run in kv_runs:
+            kv = run["kv"]
+            rows.append(
+                [
+                    run["name"],
+                    run["rate_label"],
+                    f"{kv['peak_kv_blocks_used']} / {kv['num_total_kv_blocks']} "
+                    f"({_fmt(kv['peak_kv_usage_pct'])}%)",
+                    str(kv["peak_num_running"]),
+                    _fmt(kv["kv_waste_pct"], 2),
+                    _fmt(kv["contiguous_waste_pct"]),
+                    _fmt(kv["max_model_len_waste_pct"]),
+                    _fmt(kv["contiguous_to_paged_slots"], 2),
+                    str(kv["num_preemptions"]),
+                ]
+            )
+        lines += _table(
+            [
+                "system",
+                "rate",
+                "peak blocks used / total",
+                "peak running",
+                "paged waste %",
+                "contiguous waste %",
+                "max_model_len waste %",
+                "contiguous ÷ paged slots",
+                "preemptions",
+            ],
+            rows,
+        )
+
+    queue_runs = [r for r in runs if r["summary"].get("median_queue_wait_ms") is not None]
+    if queue_runs:
+        lines += ["", "## Queue", ""]
+        rows = [
+            [
+                r["name"],
+                r["rate_label"],
+                _ms_pair(r["summary"], "queue_wait", ["mean", "median", pkeys[-1]]),
+            ]
+            for r in queue_runs
+        ]
+        lines += _table(["system", "rate", f"queue wait mean / median / {pkeys[-1]} (ms)"], rows)
+        engine_by_key = {(r["system"], r["rate_label"]): r for r in runs if r["mode"] == "engine"}
+        pairs = [(q, engine_by_key.get((q["system"], q["rate_label"]))) for q in runs if q["mode"] == "queue"]
+        pair_rows = []
+        for q, e in pairs:
+            if e is None:
+                continue
+            qs, es = q["summary"], e["summary"]
+            pair_rows.append(
+                [
+                    q["system"],
+                    q["rate_label"],
+                    _fmt(_ratio(qs["output_throughput"], es["output_throughput"]), 2),
+                    _fmt(
+                        None if qs["median_ttft_ms"] is None else qs["median_ttft_ms"] - es["median_ttft_ms"]
+                    ),
+                    _fmt(None if qs["p99_ttft_ms"] is None else qs["p99_ttft_ms"] - es["p99_ttft_ms"]),
+                    _fmt(None if qs["median_itl_ms"] is None else qs["median_itl_ms"] - es["median_itl_ms"]),
+                ]
+            )
+        if pair_rows:
+            lines += ["", "What the queue costs (queue mode against engine mode, same requests):", ""]
+            lines += _table(
+                [
+                    "system",
+                    "rate",
+                    "output tok/s (queue ÷ engine)",
+                    "median TTFT + (ms)",
+                    f"{pkeys[-1]} TTFT + (ms)",
+                    "median ITL + (ms)",
+                ],
+                pair_rows,
+            )
+
+    errors = _error_lines(runs)
+    lines += ["", "## Failures and timeouts", ""]
+    lines += errors or ["None: every request of every run completed."]
+    if payload.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in payload["notes"]]
+    if plot_files:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{Path(f).stem}]({Path(f).name})" for f in plot_files]
+    return "\n".join(lines) + "\n"
