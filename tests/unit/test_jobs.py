@@ -41,9 +41,9 @@ def test_valid_job_forms():
     [
         (b"\xff\x00not json", "InvalidJSON", "not valid JSON"),
         (b"[1, 2]", "ValidationError", "must be a JSON object"),
-        (b'{"prompt": "a", "params": {"max_tokenz": 3}}', "ValidationError", "params.max_tokenz: unknown field"),
+        (b'{"prompt": "a", "params": {"max_tokenz": 3}}', "ValidationError", "params.max_tokenz: unknown"),
         (b'{"prompt": "a", "colour": "red"}', "ValidationError", "colour: unknown field"),
-        (b'{"prompt": "a", "params": {"max_tokens": 1000000000}}', "ValidationError", "max_tokens must be at most"),
+        (b'{"prompt": "a", "params": {"max_tokens": 1000000000}}', "ValidationError", "must be at most"),
         (b'{"prompt": "a", "params": {"temperature": -1}}', "ValidationError", "temperature must be >= 0"),
         (b'{"messages": []}', "ValidationError", "messages is empty"),
         (b'{"prompt": ""}', "ValidationError", "prompt is empty"),
@@ -108,3 +108,15 @@ def test_admission_rule():
     assert policy.decide(100, 12, [running, waiting]).num_jobs_to_pull == 0
     # A full backlog stops pulls even with free blocks.
     assert policy.decide(1000, 1000, [waiting] * 4).num_jobs_to_pull == 0
+
+
+@pytest.mark.timeout(10)
+def test_exported_schemas_are_current():
+    from pathlib import Path
+
+    from qworker.worker.schema import render, schemas
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    for name, schema in schemas().items():
+        current = (docs / name).read_text()
+        assert current == render(schema), f"stale {name}: run python -m qworker.worker.schema docs"

@@ -1,0 +1,183 @@
+"""Queue overhead (issue 3, acceptance 8): a workload end to end through Redis against the engine
+alone, on one engine in one process, so that the ratio is measured on the same machine state.
+
+    python scripts/bench_queue.py [--workload ../shared/workloads/offline-mixed.json] [--write-docs]
+
+Engine-only: add every request, step until all finish. Queue: submit every job with the client,
+a worker (a thread here, on the same engine) pulls them by admission and streams deltas and
+results to Redis; the clock stops when the client has read every result. Runs alternate
+(engine, queue, engine, queue, ...) and the best of each is kept, because the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+from qworker.config import EngineConfig
+from qworker.engine.llm_engine import LLMEngine
+from qworker.engine.sampling_params import SamplingParams
+from qworker.worker.client import Client
+from qworker.worker.connections import open_sink, open_source
+from qworker.worker.loop import Worker
+from qworker.worker.settings import WorkerSettings
+from qworker.worker.testing import cleanup, redis_base_url, unique_url
+
+DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "offline-mixed.json"
+DOCS_START = "<!-- bench_queue:start -->"
+DOCS_END = "<!-- bench_queue:end -->"
+
+
+def make_requests(
+    spec: dict, vocab_size: int, num_requests: int | None
+) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(spec.get("seed", 0))
+    requests = []
+    for _ in range(num_requests or spec["num_requests"]):
+        prompt_len = rng.randint(spec["prompt_len"]["min"], spec["prompt_len"]["max"])
+        output_len = rng.randint(spec["output_len"]["min"], spec["output_len"]["max"])
+        prompt = [rng.randrange(100, vocab_size) for _ in range(prompt_len)]
+        params = SamplingParams(
+            max_tokens=output_len,
+            temperature=spec.get("temperature", 0.0),
+            ignore_eos=spec.get("ignore_eos", True),
+        )
+        requests.append((prompt, params))
+    return requests
+
+
+def summary(name: str, seconds: float, requests: list, num_output_tokens: int, completed: int) -> dict:
+    num_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
+    return {
+        "mode": name,
+        "duration_s": round(seconds, 3),
+        "completed": completed,
+        "failed": len(requests) - completed,
+        "request_throughput": round(completed / seconds, 4),
+        "output_throughput": round(num_output_tokens / seconds, 2),
+        "total_token_throughput": round((num_output_tokens + num_prompt_tokens) / seconds, 2),
+    }
+
+
+def run_engine_only(engine: LLMEngine, requests: list, tag: str) -> dict:
+    started = time.perf_counter()
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    num_output_tokens = 0
+    completed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                completed += 1
+                num_output_tokens += len(out.output.outputs[0].token_ids)
+    return summary("engine-only", time.perf_counter() - started, requests, num_output_tokens, completed)
+
+
+def run_queue(engine: LLMEngine, requests: list, base_url: str, max_backlog: int) -> dict:
+    url = unique_url(base_url, tag="bench")
+    client = Client(queue=url)
+    worker = Worker(
+        engine,
+        open_source(url, consumer="bench"),
+        open_sink(url),
+        WorkerSettings(name="bench", max_backlog=max_backlog),
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    jobs = [
+        {"prompt_token_ids": prompt, "params": {"max_tokens": p.max_tokens, "temperature": p.temperature,
+                                                "ignore_eos": p.ignore_eos}}
+        for prompt, p in requests
+    ]  # fmt: skip
+    started = time.perf_counter()
+    job_ids = client.submit_many(jobs)
+    results = client.results(job_ids, timeout=3600)
+    seconds = time.perf_counter() - started
+    worker.stop()
+    thread.join(timeout=60)
+    completed = sum(r.status.value == "completed" for r in results)
+    out = summary("queue", seconds, requests, sum(r.usage.completion_tokens for r in results), completed)
+    cleanup(client.producer.redis, url)
+    client.close()
+    return out
+
+
+def write_docs(path: Path, report: dict) -> None:
+    e, q = report["engine_only"], report["queue"]
+    section = "\n".join(
+        [
+            DOCS_START,
+            "## Queue overhead (scripts/bench_queue.py)",
+            "",
+            f"Workload `{report['workload']}`, {report['num_requests']} requests, model `{report['model']}`, "
+            f"best of {report['repeats']} alternating runs, one engine in one process.",
+            "",
+            "| mode | duration s | request_throughput | output_throughput | total_token_throughput |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {r['mode']} | {r['duration_s']} | {r['request_throughput']} | {r['output_throughput']} | "
+                f"{r['total_token_throughput']} |"
+                for r in (e, q)
+            ),
+            "",
+            f"End to end through Redis: **{report['ratio'] * 100:.1f}%** of engine-only output throughput "
+            "(target: at least 95%).",
+            DOCS_END,
+        ]
+    )
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if DOCS_START in text:
+        head, rest = text.split(DOCS_START, 1)
+        text = head + section + rest.split(DOCS_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--queue", default=None, help="Redis URL (default: 127.0.0.1:6379, else embedded)")
+    parser.add_argument("--num-requests", type=int, default=None, help="override the workload's count")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-backlog", type=int, default=16)
+    parser.add_argument("--write-docs", action="store_true", help="update docs/BENCHMARKS.md")
+    args = parser.parse_args()
+
+    spec = json.loads(args.workload.read_text())
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    requests = make_requests(spec, engine.model_config.vocab_size, args.num_requests)
+    base_url = args.queue or redis_base_url()
+    run_engine_only(engine, requests[:4], "warmup")
+    engine_runs, queue_runs = [], []
+    for i in range(args.repeats):
+        engine_runs.append(run_engine_only(engine, requests, f"r{i}"))
+        print(json.dumps(engine_runs[-1]), flush=True)
+        queue_runs.append(run_queue(engine, requests, base_url, args.max_backlog))
+        print(json.dumps(queue_runs[-1]), flush=True)
+    best_engine = max(engine_runs, key=lambda r: r["output_throughput"])
+    best_queue = max(queue_runs, key=lambda r: r["output_throughput"])
+    report = {
+        "workload": spec["name"],
+        "num_requests": len(requests),
+        "model": args.model,
+        "repeats": args.repeats,
+        "engine_only": best_engine,
+        "queue": best_queue,
+        "ratio": round(best_queue["output_throughput"] / best_engine["output_throughput"], 4),
+    }
+    print(json.dumps(report, indent=2))
+    if args.write_docs:
+        write_docs(Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md", report)
+
+
+if __name__ == "__main__":
+    main()
