@@ -124,6 +124,12 @@ def plot_rate_sweep(runs: Sequence[dict[str, Any]], sustain_ttft_s: float, workl
     ax_ttft.set_xlabel("request rate (requests/s)")
     ax_ttft.set_ylabel("p99 TTFT (s), log scale")
     ax_ttft.set_yscale("log")
+    # Plain numbers on the log axis (0.5, 2, 10), not 5x10^-1.
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda y, _: f"{y:g}")
+    ax_ttft.yaxis.set_major_formatter(plain)
+    ax_ttft.yaxis.set_minor_formatter(plain)
     ax_ttft.axhline(
         sustain_ttft_s, color="grey", linestyle="--", linewidth=1, label=f"{sustain_ttft_s:g} s target"
     )
@@ -152,15 +158,18 @@ def plot_kv_blocks(runs: Sequence[dict[str, Any]], workload: str, path: Path) ->
             color = colors(names.index(run["name"]) % 10)
             t = [s["t"] for s in timeline]
             block_size = timeline[0]["block_size"]
+            # Steps: the cache holds its state from one engine step to the next (or through idle time).
             ax.plot(
                 t,
                 [s["num_used_blocks"] for s in timeline],
+                drawstyle="steps-post",
                 color=color,
                 label=f"{run['name']}: paged blocks in use",
             )
             ax.plot(
                 t,
                 [s["num_contiguous_slots"] / block_size for s in timeline],
+                drawstyle="steps-post",
                 color=color,
                 linestyle="--",
                 alpha=0.7,
