@@ -88,6 +88,7 @@ class DecodeCudaGraphs:
         self.max_batch_size = self.sizes[-1]
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._is_captured = False
+        self.num_runs = 0  # steps served, for stats
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # bs -> [bs, hidden], written by the graph
         self._metas: dict[int, AttentionMetadata] = {}
@@ -185,6 +186,7 @@ class DecodeCudaGraphs:
         self._block_tables[:n, :width].copy_(meta.block_tables)
         if bs > n:  # a previous, larger batch may have left real rows there
             self._fill_padding(n, bs)
+        self.num_runs += 1
         if self._is_captured:
             self._graphs[bs].replay()
             return self._outputs[bs][:n]
