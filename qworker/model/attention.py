@@ -185,5 +185,5 @@ def select_attention_backend(requested: str, device: torch.device) -> AttentionB
     if choice == "triton":
         from qworker.model.triton_attention import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {choice!r}; use auto, torch or triton")

@@ -7,6 +7,8 @@ a decode step through this backend can be captured in a CUDA graph (qworker.engi
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from qworker.model.attention import AttentionMetadata
@@ -17,7 +19,13 @@ class TritonAttentionBackend:
     # Static shapes and no host syncs: the engine may capture decode steps in CUDA graphs.
     supports_cuda_graphs = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if device is not None and device.type != "cuda" and not interpreting:
+            raise ValueError(
+                f"the Triton attention backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1 "
+                f"(set before triton is imported); the device is {device}"
+            )
         # Imported on first use, not at module load: triton reads TRITON_INTERPRET when the
         # kernels are decorated.
         from qworker_kernels.triton_kv_cache import write_kv_cache

@@ -145,3 +145,11 @@ def test_auto_picks_by_device(model, monkeypatch) -> None:
     monkeypatch.delenv("QWORKER_ATTENTION_BACKEND", raising=False)
     expected = "triton" if DEVICE == "cuda" else "torch"
     assert engine(model, "auto").attention_backend_name == expected
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the check is for the CPU without the interpreter")
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(model, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("QWORKER_ATTENTION_BACKEND", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        engine(model, "triton")
