@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's count")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-backlog", type=int, default=16)
+    parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run")
     parser.add_argument("--write-docs", action="store_true", help="update docs/BENCHMARKS.md")
     args = parser.parse_args()
 
@@ -156,7 +157,10 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
     requests = make_requests(spec, engine.model_config.vocab_size, args.num_requests)
     base_url = args.queue or redis_base_url()
-    run_engine_only(engine, requests[:4], "warmup")
+    if not args.no_warmup:
+        # The whole workload once, unmeasured: compiled kernels specialise on batch shapes, and the
+        # first run through them is several times slower than the next (seen on CPU).
+        run_engine_only(engine, requests, "warmup")
     engine_runs, queue_runs = [], []
     for i in range(args.repeats):
         engine_runs.append(run_engine_only(engine, requests, f"r{i}"))
