@@ -72,7 +72,10 @@ def plot_latency_cdfs(runs: Sequence[dict[str, Any]], rate_label: str, workload:
         ax.grid(True, which="both", alpha=0.3)
         for y in (0.5, 0.99):
             ax.axhline(y, color="grey", linewidth=0.6, linestyle=":")
-    axes[0].legend(loc="lower right", fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(loc="lower right", fontsize=8)
+    else:
+        axes[0].text(0.5, 0.5, "no completed requests", transform=axes[0].transAxes, ha="center")
     fig.suptitle(f"{workload} @ {rate_label}: latency CDFs (completed requests; dotted lines at p50 and p99)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -136,7 +139,8 @@ def plot_rate_sweep(runs: Sequence[dict[str, Any]], sustain_ttft_s: float, workl
     ax_ttft.set_title("p99 time to first token against offered rate")
     for ax in (ax_tp, ax_ttft):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(f"{workload}: rate sweep (red rings: runs with failed or timed-out requests)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

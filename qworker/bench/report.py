@@ -36,6 +36,10 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -359,11 +363,9 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                     q["system"],
                     q["rate_label"],
                     _fmt(_ratio(qs["output_throughput"], es["output_throughput"]), 2),
-                    _fmt(
-                        None if qs["median_ttft_ms"] is None else qs["median_ttft_ms"] - es["median_ttft_ms"]
-                    ),
-                    _fmt(None if qs["p99_ttft_ms"] is None else qs["p99_ttft_ms"] - es["p99_ttft_ms"]),
-                    _fmt(None if qs["median_itl_ms"] is None else qs["median_itl_ms"] - es["median_itl_ms"]),
+                    _fmt(_diff(qs["median_ttft_ms"], es["median_ttft_ms"])),
+                    _fmt(_diff(qs["p99_ttft_ms"], es["p99_ttft_ms"])),
+                    _fmt(_diff(qs["median_itl_ms"], es["median_itl_ms"])),
                 ]
             )
         if pair_rows:
@@ -383,8 +385,16 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
     errors = _error_lines(runs)
     lines += ["", "## Failures and timeouts", ""]
     lines += errors or ["None: every request of every run completed."]
-    if payload.get("notes"):
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in payload["notes"]]
+    notes = list(payload.get("notes") or [])
+    threads = {(r["meta"].get("torch_threads"), r["meta"].get("num_cpus_usable")) for r in runs}
+    if len(threads) > 1:
+        per_run = ", ".join(
+            f"{r['name']}: {r['meta'].get('torch_threads')} threads, {r['meta'].get('num_cpus_usable')} CPUs"
+            for r in runs
+        )
+        notes.append(f"Runs did not all have the same torch threads / usable CPUs ({per_run}).")
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     if plot_files:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(f).stem}]({Path(f).name})" for f in plot_files]

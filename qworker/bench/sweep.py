@@ -86,6 +86,15 @@ def parse_rates(text: str | None) -> list[float | None]:
     return rates
 
 
+def _process_cpu_state() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {"torch_threads": torch.get_num_threads(), "num_cpus_usable": affinity}
+
+
 def run_name(system: str, mode: str) -> str:
     return system if mode == "engine" else f"{system} [{mode}]"
 
@@ -130,7 +139,9 @@ def run_sweep(
                     "request_set_sha256": digest,
                     "summary": summary,
                     "kv": kv,
-                    "meta": result.meta,
+                    # Recorded per run: an in-process system (vLLM) may change the process's
+                    # threads or CPU binding for the systems measured after it.
+                    "meta": {**result.meta, **_process_cpu_state()},
                     "records": [r.to_dict() for r in sorted(result.records, key=lambda r: r.request_id)],
                     "kv_timeline": [s.to_dict() for s in result.kv_samples],
                 }

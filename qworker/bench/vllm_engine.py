@@ -78,15 +78,17 @@ class VLLMEngineSystem:
             os.environ.setdefault(key, value)
         from vllm import EngineArgs, LLMEngine
 
-        from qworker.model.loader import resolve_model
+        from qworker.model.loader import load_hf_config, resolve_model
 
         clock = RunClock()
         # qworker's cached SmolLM2 directory is already what vLLM needs: LlamaForCausalLM,
         # rope_theta at the top level, no quantization_config, tied embeddings without lm_head.
+        path = resolve_model(self.model).path
+        context = getattr(load_hf_config(path), "max_position_embeddings", None) or MAX_MODEL_LEN
         args = EngineArgs(
-            model=str(resolve_model(self.model).path),
+            model=str(path),
             dtype="bfloat16" if self.dtype in ("auto", "bf16") else self.dtype,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=min(MAX_MODEL_LEN, context),
             seed=0,
             **self.engine_options,
         )
