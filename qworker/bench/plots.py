@@ -25,6 +25,15 @@ def _pyplot() -> Any:
     return plt
 
 
+def _plain_log_ticks(axis: Any) -> None:
+    """Plain numbers at 1-2-5 steps on a log axis (0.5, 2, 10), not 5x10^-1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _completed(run: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in run["records"] if r["status"] == "completed"]
 
@@ -43,6 +52,8 @@ def _e2els_s(run: dict[str, Any]) -> list[float]:
 
 def _cdf(ax: Any, values: Sequence[float], label: str, color: Any) -> None:
     if not len(values):
+        # Still in the legend, so that a system with nothing completed is not silently missing.
+        ax.plot([], [], label=label, color=color, linestyle=":")
         return
     xs = np.sort(np.asarray(values, dtype=np.float64))
     # Log axes cannot show 0; a gap below a microsecond is a measurement floor anyway.
@@ -66,6 +77,7 @@ def plot_latency_cdfs(runs: Sequence[dict[str, Any]], rate_label: str, workload:
             label = f"{run['name']} ({s['completed']}/{s['num_prompts']} completed)"
             _cdf(ax, values_of(run), label, colors(i % 10))
         ax.set_xscale("log")
+        _plain_log_ticks(ax.xaxis)
         ax.set_xlabel(xlabel + ", log scale")
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1.02)
@@ -121,18 +133,22 @@ def plot_rate_sweep(runs: Sequence[dict[str, Any]], sustain_ttft_s: float, workl
                 linewidths=1.5,
                 zorder=5,
             )
-    ax_tp.set_xlabel("request rate (requests/s)")
+    ax_tp.set_xlabel("request rate (requests/s), log scale")
     ax_tp.set_ylabel("output throughput (tokens/s)")
     ax_tp.set_title("Output throughput against offered rate")
-    ax_ttft.set_xlabel("request rate (requests/s)")
+    ax_ttft.set_xlabel("request rate (requests/s), log scale")
     ax_ttft.set_ylabel("p99 TTFT (s), log scale")
     ax_ttft.set_yscale("log")
-    # Plain numbers on the log axis (0.5, 2, 10), not 5x10^-1.
-    from matplotlib.ticker import FuncFormatter
+    _plain_log_ticks(ax_ttft.yaxis)
+    # Rate sweeps are usually geometric (0.5, 1, 2, 4): log2 rate axes, a tick at each rate.
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    plain = FuncFormatter(lambda y, _: f"{y:g}")
-    ax_ttft.yaxis.set_major_formatter(plain)
-    ax_ttft.yaxis.set_minor_formatter(plain)
+    all_rates = sorted({r["rate"] for r in runs if r["rate"] is not None})
+    for ax in (ax_tp, ax_ttft):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_rates)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax_ttft.axhline(
         sustain_ttft_s, color="grey", linestyle="--", linewidth=1, label=f"{sustain_ttft_s:g} s target"
     )
@@ -186,9 +202,10 @@ def plot_kv_blocks(runs: Sequence[dict[str, Any]], workload: str, path: Path) ->
         ax.set_title(f"{workload} @ {rate_label}: KV blocks in use (pool: {total_text} blocks)")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        # Outside the axes: inside, it would cover the busiest part of the timeline.
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
