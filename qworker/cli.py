@@ -15,13 +15,24 @@ QueueOpt = Annotated[
     str | None,
     typer.Option(help="Queue URL, e.g. redis://127.0.0.1:6379/0?stream=jobs (none: embedded Redis)"),
 ]
-ResultsOpt = Annotated[str | None, typer.Option(help="Results URL (none: the queue's Redis server)")]
+ResultsOpt = Annotated[
+    str | None,
+    typer.Option(help="Results URL: redis://, s3://bucket/prefix, celery+redis:// (none: the queue server)"),
+]
+StreamResultsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Put live token deltas and cancel flags here instead of the results store, "
+        "e.g. --results s3://bucket/results --stream-results redis://host:6379/0"
+    ),
+]
 
 
 @app.command()
 def worker(
     queue: QueueOpt = None,
     results: ResultsOpt = None,
+    stream_results: StreamResultsOpt = None,
     model: Annotated[str, typer.Option(help="smollm2, a Hugging Face directory or a .gguf file")] = "smollm2",
     num_kv_blocks: Annotated[int | None, typer.Option(help="KV blocks (none: size from memory)")] = None,
     block_size: int = 16,
@@ -46,7 +57,7 @@ def worker(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from qworker.config import EngineConfig
     from qworker.engine.llm_engine import LLMEngine
-    from qworker.worker.connections import open_sink, open_source, resolve_url
+    from qworker.worker.connections import default_results_url, open_sink, open_source, resolve_url
     from qworker.worker.loop import Worker
     from qworker.worker.settings import WorkerSettings
 
@@ -61,7 +72,7 @@ def worker(
     queue_url = resolve_url(queue)
     # Connect first: a wrong URL fails in a second, not after the model has loaded.
     source = open_source(queue_url, consumer=settings.name, lease_timeout_s=lease_timeout_s)
-    sink = open_sink(results or queue_url)
+    sink = open_sink(results or default_results_url(queue_url), stream_results)
     engine = LLMEngine(
         EngineConfig(
             model=model,
@@ -89,6 +100,7 @@ def submit(
     prompt: Annotated[str, typer.Argument(help="The prompt (sent as one user chat message unless --raw)")],
     queue: QueueOpt = None,
     results: ResultsOpt = None,
+    stream_results: StreamResultsOpt = None,
     stream: Annotated[bool, typer.Option(help="Print tokens as they are generated")] = False,
     raw: Annotated[
         bool, typer.Option(help="Send the prompt as plain text, without the chat template")
@@ -107,7 +119,7 @@ def submit(
         job["prompt"] = prompt
     else:
         job["messages"] = [{"role": "user", "content": prompt}]
-    with Client(queue=queue, results=results) as client:
+    with Client(queue=queue, results=results, stream_results=stream_results) as client:
         job_id = client.submit(job)
         typer.echo(f"job {job_id}", err=True)
         if not wait and not stream:

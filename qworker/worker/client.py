@@ -6,6 +6,10 @@ job_id = client.submit({"messages": [{"role": "user", "content": "Hi"}], "params
 for text in client.stream(job_id):
     print(text, end="")
 print(client.result(job_id, timeout=60).status)
+
+SQS with results in S3 and the live token stream in Redis ("stream to X, final to Y"):
+client = Client(queue="sqs://jobs?region=eu-west-1", results="s3://bucket/results",
+                stream_results="redis://127.0.0.1:6379/0")
 """
 
 from __future__ import annotations
@@ -14,18 +18,31 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from qworker.worker.connections import open_producer, open_sink, resolve_url
+from qworker.worker.connections import (
+    default_results_url,
+    open_producer,
+    open_sink,
+    resolve_url,
+    s3_location_of_results,
+)
 from qworker.worker.jobs import Job, JobResult, encode_job
 from qworker.worker.sources.base import OutgoingJob
 
 
 class Client:
-    def __init__(self, queue: str | None = None, results: str | None = None) -> None:
+    def __init__(
+        self, queue: str | None = None, results: str | None = None, stream_results: str | None = None
+    ) -> None:
         """`queue` and `results` are URLs (see connections.py). With none, the embedded Redis
-        server serves both; with only `queue`, results live on the same server."""
+        server serves both; with only `queue`, results live on the same server (an sqs:// queue
+        needs `results`). `stream_results` puts live deltas and cancel flags in another store than
+        the final results (e.g. results in S3, the token stream in Redis). Jobs too large for an
+        SQS message go to S3 behind a pointer: under the results prefix when results are in S3,
+        else where the queue URL's `payload_s3` says."""
         queue_url = resolve_url(queue)
-        self.producer = open_producer(queue_url)
-        self.sink = open_sink(results or queue_url)
+        results_url = results or default_results_url(queue_url)
+        self.producer = open_producer(queue_url, payload_location=s3_location_of_results(results_url))
+        self.sink = open_sink(results_url, stream_results)
 
     def __enter__(self) -> Client:
         return self
@@ -45,14 +62,19 @@ class Client:
             return Job(prompt=job)
         return Job.model_validate(job)
 
-    def submit(self, job: Job | dict[str, Any] | str) -> str:
-        """Validate and enqueue one job (a Job, its dict, or a prompt string). Returns its id."""
-        return self.submit_many([job])[0]
+    def submit(self, job: Job | dict[str, Any] | str, group_id: str | None = None) -> str:
+        """Validate and enqueue one job (a Job, its dict, or a prompt string). Returns its id.
 
-    def submit_many(self, jobs: Iterable[Job | dict[str, Any] | str]) -> list[str]:
-        """Validate every job first, then enqueue them all in one round trip. Returns their ids."""
+        `group_id` is the ordering group on an SQS FIFO queue (default: the job id)."""
+        return self.submit_many([job], group_id=group_id)[0]
+
+    def submit_many(
+        self, jobs: Iterable[Job | dict[str, Any] | str], group_id: str | None = None
+    ) -> list[str]:
+        """Validate every job first, then enqueue them all (in as few round trips as the queue
+        allows). Returns their ids."""
         validated = [self._as_job(job) for job in jobs]
-        self.producer.send([OutgoingJob(job.id, encode_job(job)) for job in validated])
+        self.producer.send([OutgoingJob(job.id, encode_job(job), group_id) for job in validated])
         return [job.id for job in validated]
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:

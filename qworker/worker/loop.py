@@ -107,6 +107,16 @@ class Worker:
             signal.signal(sig, lambda signum, frame: self.stop())
 
     @property
+    def max_attempts(self) -> int:
+        """Deliveries before a job is dead-lettered: the setting, or one less than the queue's own
+        limit (an SQS RedrivePolicy) when that is lower, so that the worker, not the queue, moves
+        the message and records why."""
+        limit = self.source.max_deliveries
+        if limit is not None and limit >= 2:
+            return min(self.settings.max_attempts, limit - 1)
+        return self.settings.max_attempts
+
+    @property
     def num_jobs_held(self) -> int:
         return len(self._held)
 
@@ -173,12 +183,12 @@ class Worker:
             self.stats.num_skipped_done += 1
             self.source.ack(lease)
             return
-        if lease.delivery_count > self.settings.max_attempts:
-            reason = f"delivered {lease.delivery_count} times; max_attempts is {self.settings.max_attempts}"
-            error = JobError(type="DeadLettered", message=reason)
-            # The result first, so that a client waiting on this id hears why; then the message moves.
-            self.sink.write_result(self._result(job_id, None, lease, JobStatus.FAILED, error, None))
-            self._dead_letter(lease, reason)
+        if lease.rejection is not None:
+            self._fail_and_dead_letter(lease, job_id, "Rejected", lease.rejection)
+            return
+        if lease.delivery_count > self.max_attempts:
+            reason = f"delivered {lease.delivery_count} times; max_attempts is {self.max_attempts}"
+            self._fail_and_dead_letter(lease, job_id, "DeadLettered", reason)
             return
         try:
             job = decode_job(lease.body, job_id)
@@ -312,6 +322,12 @@ class Worker:
         self._finish_without_engine(
             lease, job_id, job, JobStatus.FAILED, JobError(type=error_type, message=message)
         )
+
+    def _fail_and_dead_letter(self, lease: Lease, job_id: str, error_type: str, reason: str) -> None:
+        error = JobError(type=error_type, message=reason)
+        # The result first, so that a client waiting on this id hears why; then the message moves.
+        self.sink.write_result(self._result(job_id, None, lease, JobStatus.FAILED, error, None))
+        self._dead_letter(lease, reason)
 
     def _dead_letter(self, lease: Lease, reason: str) -> None:
         logger.warning("message %s dead-lettered: %s", lease.message_id, reason)

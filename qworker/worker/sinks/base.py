@@ -8,6 +8,7 @@ live on the same store, because the client reads what the worker writes there.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,20 @@ class Delta:
     job_id: str
     text: str
     token_ids: list[int] = field(default_factory=list)
+
+
+def wait_for_result(sink: ResultSink, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
+    """`read_deltas` for a store that keeps only final results: no deltas, returns once the result
+    exists. Raises TimeoutError after `timeout_s`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    wait_s = 0.02
+    while not sink.has_result(job_id):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"no result for job {job_id} within {timeout_s}s")
+        time.sleep(wait_s)
+        wait_s = min(0.5, wait_s * 1.5)
+    return
+    yield  # a generator, like every read_deltas
 
 
 class ResultSink(abc.ABC):
@@ -52,6 +67,10 @@ class ResultSink(abc.ABC):
     @abc.abstractmethod
     def cancelled_ids(self, job_ids: list[str]) -> set[str]:
         """The ids among `job_ids` whose cancellation was requested."""
+
+    def end_deltas(self, job_id: str, status: str) -> None:  # noqa: B027 - optional hook
+        """End the job's live stream (its result is stored, here or in another store): a reader
+        of `read_deltas` stops. A store that streams deltas must implement it."""
 
     def write_worker_stats(self, worker_name: str, stats: Any) -> None:  # noqa: B027 - optional hook
         """Publish a worker's stats (a dataclass) for operators; a sink may ignore them."""

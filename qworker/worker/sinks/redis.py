@@ -71,6 +71,14 @@ class RedisResultSink(ResultSink):
         is_stored, _, _ = pipe.execute()
         return bool(is_stored)
 
+    def end_deltas(self, job_id: str, status: str) -> None:
+        self._has_expiry.discard(job_id)
+        key = constants.delta_stream_key(self.prefix, job_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(key, {constants.DELTA_FIELD_DONE: status}, maxlen=self.delta_maxlen)
+        pipe.expire(key, self.delta_ttl_s)
+        pipe.execute()
+
     def has_result(self, job_id: str) -> bool:
         return bool(self.redis.exists(constants.result_key(self.prefix, job_id)))
 

@@ -35,6 +35,14 @@ class Lease:
     delivery_count: int
     # When the message entered the queue (Unix seconds), as the queue itself recorded it.
     enqueued_at: float | None
+    # The handle to extend, ack or release the message with, when it is not `message_id`: an SQS
+    # receipt handle changes with every receive, while `message_id` (the MessageId) stays the
+    # same, and job ids are derived from the stable one.
+    handle: str | None = None
+    # Set when the source refuses the message without decoding it (a Celery message serialized
+    # with pickle, an S3 payload pointer that cannot be read): the worker stores a failed result
+    # and dead-letters the message with this reason. `body` is then empty.
+    rejection: str | None = None
 
 
 class JobSource(abc.ABC):
@@ -44,6 +52,10 @@ class JobSource(abc.ABC):
     lease_timeout_s: float
     # Names the queue in derived job ids (see jobs.resolve_job_id).
     queue_name: str
+    # Deliveries after which the queue itself moves a message away (an SQS RedrivePolicy's
+    # maxReceiveCount), or None. The worker dead-letters with a reason before the queue would
+    # do it silently (see Worker.max_attempts).
+    max_deliveries: int | None = None
 
     @abc.abstractmethod
     def lease(self, max_count: int, block_s: float) -> list[Lease]:
@@ -81,6 +93,8 @@ class JobSource(abc.ABC):
 class OutgoingJob:
     job_id: str
     body: bytes
+    # Ordering group on queues that have them (SQS FIFO MessageGroupId); None: the queue's default.
+    group_id: str | None = None
 
 
 class JobProducer(abc.ABC):
