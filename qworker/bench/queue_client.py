@@ -198,7 +198,24 @@ class QueueClientSystem:
         if self.client is not None:
             self.client.close()
             self.client = None
+        spawned = self.process is not None
         self._stop_worker()
+        if spawned and self.url is not None:
+            self._delete_run_keys()
+
+    def _delete_run_keys(self) -> None:
+        """Drop the stream, results and deltas this run created (its own names; nothing else)."""
+        from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
+
+        assert self.url is not None, "no URL to clean"
+        parsed = parse_url(self.url, SOURCE_PARAMS | SINK_PARAMS)
+        redis = redis_client(parsed.connection_url)
+        try:
+            keys = list(redis.scan_iter(match=f"qwbench:{self.run_tag}*", count=1000))
+            for i in range(0, len(keys), 500):
+                redis.delete(*keys[i : i + 500])
+        finally:
+            redis.close()
 
     @staticmethod
     def _job(

@@ -110,3 +110,36 @@ def test_system_specs() -> None:
         engine_config_for(parse_systems("qworker:colour=red")[0], settings)
     with pytest.raises(SystemSpecError, match="needs admission=static"):
         engine_config_for(parse_systems("qworker:batch=4")[0], settings)
+
+
+@pytest.mark.slow
+def test_queue_mode_against_engine_mode(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Both modes on the same requests: the bench starts a worker on its own stream, streams the
+    jobs through Redis (127.0.0.1:6379, else the embedded server) and stops the worker."""
+    pytest.importorskip("redis")
+    spec = write_workload(tmp_path / "w.json")
+    out = tmp_path / "q"
+    bench(
+        workload=spec,
+        mode="engine,queue",
+        systems="qworker,hf-static",
+        out=out,
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        plots=False,
+        progress=False,
+    )
+    results = json.loads((out / "results.json").read_text())
+    by_name = {r["name"]: r for r in results["runs"]}
+    assert set(by_name) == {"qworker", "hf-static", "qworker [queue]"}
+    queue_run = by_name["qworker [queue]"]
+    assert queue_run["summary"]["completed"] == 5, [r["error"] for r in queue_run["records"]]
+    for record in queue_run["records"]:
+        assert record["num_output_tokens"] == record["output_len"]
+        assert record["queue_wait_s"] is not None and record["chunk_times"]
+    assert any("no queue mode" in note for note in results["notes"])
+    report = (out / "report.md").read_text()
+    assert "What the queue costs" in report
+    assert "ready" in (out / "worker-qworker.log").read_text()
