@@ -40,6 +40,12 @@ def _host_info() -> dict[str, Any]:
     }
 
 
+def _vllm_importable() -> bool:
+    from qworker.bench.vllm_engine import is_vllm_available
+
+    return is_vllm_available()
+
+
 def _default_baseline(specs: list[SystemSpec]) -> str | None:
     labels = [s.label for s in specs]
     for candidate in ("hf-static", "hf-sequential"):
@@ -61,6 +67,12 @@ def _build_systems(
     for mode in modes:
         for spec in specs:
             if mode == "engine":
+                if spec.kind == "vllm" and not _vllm_importable():
+                    # Optional by design: vLLM lives in its own venv (docs/BENCHMARKS.md).
+                    note = f"{spec.label}: the vllm package does not import here; skipped."
+                    typer.echo(f"warning: {note} See docs/BENCHMARKS.md for its venv.", err=True)
+                    notes.append(note)
+                    continue
                 systems.append(build_system(spec, settings))
             elif not spec.is_qworker:
                 notes.append(f"{spec.label} has no queue mode (it is an in-process baseline); skipped there.")
@@ -204,6 +216,8 @@ def bench(
         )
 
     built, notes = _build_systems(specs, modes, settings, out, queue_url, spawn_worker)
+    if not built:
+        raise typer.BadParameter(f"nothing to run: {' '.join(notes)}")
     limits = RunLimits(
         drain_timeout_s=drain_timeout_s if drain_timeout_s > 0 else None, request_timeout_s=request_timeout_s
     )

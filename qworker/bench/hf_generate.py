@@ -21,7 +21,7 @@ from transformers import StoppingCriteria
 
 from qworker.bench.load import LoadGenerator
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.system import Progress, RunClock, RunLimits, RunResult, new_record, time_out_unsent
+from qworker.bench.system import Finish, Progress, RunClock, RunLimits, RunResult, new_record, time_out_unsent
 from qworker.bench.workload import BenchRequest
 
 
@@ -34,13 +34,11 @@ class _StepClock(StoppingCriteria):
         self.batch_size = batch_size
         self.deadline = deadline
         self.step_times: list[float] = []
-        self.hit_deadline = False
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         t = self.clock.now()
         self.step_times.append(t)
         stop = self.deadline is not None and t >= self.deadline
-        self.hit_deadline = self.hit_deadline or stop
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
@@ -191,7 +189,7 @@ class HFGenerateSystem:
         clock: RunClock,
         deadline: float | None,
         limits: RunLimits,
-        finish: Any,
+        finish: Finish,
     ) -> None:
         start = clock.now()
         for record in batch:

@@ -19,7 +19,7 @@ import numpy as np
 from qworker.bench.kv_usage import KVSample
 from qworker.bench.load import LoadGenerator
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.system import Progress, RunClock, RunLimits, RunResult, new_record, time_out_unsent
+from qworker.bench.system import Finish, Progress, RunClock, RunLimits, RunResult, new_record, time_out_unsent
 from qworker.bench.workload import BenchRequest
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
@@ -207,7 +207,7 @@ class QworkerEngineSystem:
         in_engine: dict[str, RequestRecord],
         t: float,
         timeout_s: float,
-        finish: Any,
+        finish: Finish,
     ) -> None:
         engine = self.engine
         assert engine is not None, "prepare() first"

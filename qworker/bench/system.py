@@ -15,6 +15,14 @@ from qworker.bench.workload import BenchRequest
 Progress = Callable[[int], object]
 
 
+class Finish(Protocol):
+    """Gives a record its final status at time t (with an error message for anything but success)."""
+
+    def __call__(
+        self, record: RequestRecord, status: RequestStatus, t: float, error: str | None = None
+    ) -> None: ...
+
+
 @dataclass(frozen=True)
 class RunLimits:
     """How long a run may take. Whatever is not done by then is counted as a timeout."""
