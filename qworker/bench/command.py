@@ -265,9 +265,15 @@ def bench(
     }
     plot_files = []
     if plots:
-        from qworker.bench.plots import make_plots
+        import importlib.util
 
-        plot_files = make_plots(payload, out)
+        if importlib.util.find_spec("matplotlib") is None:
+            # An optional dependency (pip install 'qworker[bench]'): tables still get written.
+            payload["notes"].append("No plots: matplotlib is not installed (pip install 'qworker[bench]').")
+        else:
+            from qworker.bench.plots import make_plots
+
+            plot_files = make_plots(payload, out)
     payload["plots"] = plot_files
     write_results_json(out / "results.json", payload)
     (out / "report.md").write_text(render_report_md(payload, plot_files))
