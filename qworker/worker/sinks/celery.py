@@ -1,0 +1,87 @@
+"""Results in Celery's Redis result-backend format, so that `AsyncResult(task_id).get()` works.
+
+- `celery-task-meta-{task_id}` holds the JSON meta Celery's RedisBackend writes: `status`,
+  `result`, `traceback`, `children`, `date_done`, `task_id`. A completed job is SUCCESS with the
+  qworker result dict as `result`. A failed or timed-out job is FAILURE with an exception Celery
+  rebuilds by name (`exc_type` = the qworker error type, e.g. ValidationError; `exc_message` =
+  the message), so `.get()` raises it; a cancelled job is REVOKED. The whole qworker result is
+  also kept under `qworker_result` for readers that want it.
+- Written with `SET NX EX` (the first writer wins: one result per task id), then PUBLISHed on the
+  key's channel, where Celery's result consumer listens.
+- Deltas, cancel flags and worker stats live in the same Redis under `prefix`, as in the Redis
+  store, so `Client.stream` works on Celery jobs too.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from qworker.worker import constants
+from qworker.worker.jobs import JobResult, JobStatus
+from qworker.worker.sinks.redis import RedisResultSink
+
+TASK_META_PREFIX = "celery-task-meta-"
+
+
+def task_meta(result: JobResult) -> dict[str, Any]:
+    """Celery's result meta for a qworker result."""
+    as_dict = result.model_dump(mode="json")
+    meta: dict[str, Any] = {
+        "task_id": result.id,
+        "traceback": None,
+        "children": [],
+        "date_done": datetime.now(UTC).isoformat(),
+    }
+    if result.status is JobStatus.COMPLETED:
+        meta.update(status="SUCCESS", result=as_dict)
+        return meta
+    if result.status is JobStatus.CANCELLED:
+        exc = {
+            "exc_type": "TaskRevokedError",
+            "exc_module": "celery.exceptions",
+            "exc_message": ["cancelled"],
+        }
+        meta.update(status="REVOKED", result=exc)
+    else:
+        error_type = result.error.type if result.error else result.status.value.capitalize()
+        message = result.error.message if result.error else result.status.value
+        # exc_module None: Celery makes an exception class of this name (it never imports one).
+        exc = {"exc_type": error_type, "exc_module": None, "exc_message": [message]}
+        meta.update(status="FAILURE", result=exc)
+    meta["qworker_result"] = as_dict
+    return meta
+
+
+class CeleryResultSink(RedisResultSink):
+    def __init__(self, redis: Any, *, result_ttl_s: int = constants.DEFAULT_RESULT_TTL_S, **kwargs: Any):
+        super().__init__(redis, result_ttl_s=result_ttl_s, **kwargs)
+
+    @staticmethod
+    def meta_key(job_id: str) -> str:
+        return f"{TASK_META_PREFIX}{job_id}"
+
+    def write_result(self, result: JobResult) -> bool:
+        key = self.meta_key(result.id)
+        payload = json.dumps(task_meta(result))
+        is_stored = bool(self.redis.set(key, payload, nx=True, ex=self.result_ttl_s))
+        if is_stored:
+            self.redis.publish(key, payload)
+        self.end_deltas(result.id, result.status.value)
+        return is_stored
+
+    def has_result(self, job_id: str) -> bool:
+        # Not EXISTS: a Celery worker elsewhere may have left a PENDING or STARTED meta.
+        return self.get_result(job_id) is not None
+
+    def get_result(self, job_id: str) -> JobResult | None:
+        raw = self.redis.get(self.meta_key(job_id))
+        if raw is None:
+            return None
+        meta = json.loads(raw)
+        if "qworker_result" in meta:
+            return JobResult.model_validate(meta["qworker_result"])
+        if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
+            return JobResult.model_validate(meta["result"])
+        return None  # a state another writer left (PENDING/STARTED from a Celery worker)

@@ -1,0 +1,307 @@
+"""Job source on a Celery queue over the Redis broker, read directly with kombu.
+
+A service that uses Celery enqueues `app.send_task("qworker.generate", kwargs=job, queue="qworker")`.
+qworker takes those Celery protocol v2 messages from the broker itself (not through Celery's worker
+pool), so continuous batching and admission by free KV blocks still apply, and writes the result
+in Celery's Redis result-backend format (sinks/celery.py), so `AsyncResult(task_id).get()` works.
+
+- lease: kombu's Redis transport: RPOP from the queue list, and the message goes into the unacked
+  hash with a timestamp (late ack: nothing is removed for good until `ack`). Every second, and
+  whenever the queue is empty, messages whose timestamp is older than `lease_timeout_s` (kombu's
+  `visibility_timeout`) are put back on the queue: that is how a killed worker's jobs come back.
+- extend: the message's timestamp in the unacked index is reset, only while the message is still
+  ours (a Lua script), so a held job is never restored under a running worker.
+- ack: basic_ack. release: basic_reject(requeue=True). dead_letter: the message's envelope and
+  the reason go to the list `{queue}.dead`, then the message is acked.
+- delivery count: kombu keeps none; a hash `{queue}.deliveries` counts leases per task id.
+
+Security: the body is deserialized only when the content type is `application/json` (utf-8, no
+compression). A message serialized with pickle (or yaml, msgpack, anything else) is never
+decoded: it is dead-lettered with the reason, and its task gets a FAILURE result. Nobody who can
+write to the broker can make the worker run code.
+
+The unacked keys are per queue (`{queue}.unacked`, ...), not kombu's broker-wide defaults, so that
+Celery workers on the same broker and qworker workers never restore each other's messages.
+kombu's own window applies: a worker killed between the RPOP and the unacked write (microseconds)
+loses that one message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
+
+logger = logging.getLogger(__name__)
+
+TASK_NAME = "qworker.generate"
+ACCEPTED_CONTENT_TYPE = "application/json"
+DEAD_LETTER_MAXLEN = 100_000
+DELIVERY_COUNT_TTL_S = 7 * 24 * 3600
+RESTORE_INTERVAL_S = 1.0
+
+# KEYS[1] unacked hash, KEYS[2] unacked index; ARGV[1] now, ARGV[2..] delivery tags.
+# Returns the tags no longer held (restored by a peer after our lease expired).
+_EXTEND_LUA = """
+local lost = {}
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def transport_options(queue: str, lease_timeout_s: float) -> dict[str, Any]:
+    return {
+        "visibility_timeout": lease_timeout_s,
+        "unacked_key": f"{queue}.unacked",
+        "unacked_index_key": f"{queue}.unacked_index",
+        "unacked_mutex_key": f"{queue}.unacked_mutex",
+    }
+
+
+def open_celery_source(
+    broker_url: str, params: dict[str, str], consumer: str, lease_timeout_s: float
+) -> CelerySource:
+    return CelerySource(
+        broker_url,
+        queue=params.get("queue", "qworker"),
+        consumer=consumer,
+        lease_timeout_s=lease_timeout_s,
+        dead_letter=params.get("dead_letter"),
+    )
+
+
+class CelerySource(JobSource):
+    def __init__(
+        self,
+        broker_url: str,
+        *,
+        queue: str = "qworker",
+        consumer: str,
+        lease_timeout_s: float = 30.0,
+        dead_letter: str | None = None,
+    ) -> None:
+        from kombu import Connection, Exchange, Queue
+
+        self.queue = queue
+        self.consumer = consumer
+        self.lease_timeout_s = lease_timeout_s
+        self.queue_name = f"celery:{queue}"
+        self.dead_letter_list = dead_letter or f"{queue}.dead"
+        self.deliveries_key = f"{queue}.deliveries"
+        self.connection = Connection(broker_url, transport_options=transport_options(queue, lease_timeout_s))
+        self.channel = self.connection.channel()
+        # Celery declares a missing queue as a direct exchange of the same name; so do we, so that
+        # kombu finds the binding when it restores a message.
+        Queue(queue, Exchange(queue, type="direct"), routing_key=queue)(self.channel).declare()
+        self.redis = self.channel.client
+        self._extend_script = self.redis.register_script(_EXTEND_LUA)
+        self._last_restore = 0.0
+        self._messages: dict[str, Any] = {}
+
+    # -- lease -------------------------------------------------------------------------------
+
+    def _restore_expired(self) -> None:
+        self._last_restore = time.monotonic()
+        self.channel.qos.restore_visible(num=100, interval=1)
+
+    def lease(self, max_count: int, block_s: float) -> list[Lease]:
+        if max_count <= 0:
+            return []
+        if time.monotonic() - self._last_restore >= RESTORE_INTERVAL_S:
+            self._restore_expired()
+        deadline = time.monotonic() + block_s
+        leases: list[Lease] = []
+        while len(leases) < max_count:
+            lease = self._get_one()
+            if lease is not None:
+                leases.append(lease)
+                continue
+            if leases or time.monotonic() >= deadline:
+                break
+            self._restore_expired()
+            time.sleep(0.02)
+        return leases
+
+    def _get_one(self) -> Lease | None:
+        from kombu.transport.virtual import Empty
+
+        try:
+            raw = self.channel._get(self.queue)
+        except Empty:
+            return None
+        headers = dict(raw.get("headers") or {})
+        content_type = raw.get("content-type")
+        encoding = (raw.get("content-encoding") or "utf-8").lower()
+        rejection = None
+        if content_type != ACCEPTED_CONTENT_TYPE or encoding not in ("utf-8", "utf8"):
+            rejection = (
+                f"content type {content_type!r} ({encoding}) is not accepted; qworker takes only "
+                f"{ACCEPTED_CONTENT_TYPE} (send with serializer='json'). The body was not deserialized."
+            )
+        elif headers.get("compression"):
+            rejection = f"compressed messages ({headers['compression']!r}) are not accepted"
+        elif "task" not in headers:
+            rejection = "not a Celery protocol v2 message (no task header); qworker reads protocol 2"
+        elif headers["task"] != TASK_NAME:
+            rejection = f"task {headers['task']!r} is not served here; qworker serves {TASK_NAME!r}"
+        if rejection is not None:
+            # Never decompress or decode what we refuse: the Message gets the headers without it.
+            headers.pop("compression", None)
+            raw = {**raw, "headers": headers}
+        message = self.channel.Message(raw, channel=self.channel)
+        self.channel.qos.append(message, message.delivery_tag)
+        tag = _text(message.delivery_tag)
+        self._messages[tag] = message
+        task_id = headers.get("id")
+        task_id = task_id if isinstance(task_id, str) and task_id else None
+        delivery_count = 1
+        if task_id is not None:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(self.deliveries_key, task_id, 1)
+            pipe.expire(self.deliveries_key, DELIVERY_COUNT_TTL_S)
+            delivery_count = int(pipe.execute()[0])
+        body = b""
+        if rejection is None:
+            body, rejection = self._job_body(message.body)
+        return Lease(
+            message_id=tag,
+            body=body,
+            job_id=task_id,
+            delivery_count=delivery_count,
+            enqueued_at=None,
+            handle=tag,
+            rejection=rejection,
+        )
+
+    @staticmethod
+    def _job_body(raw_body: Any) -> tuple[bytes, str | None]:
+        """The job JSON from a protocol v2 body `[args, kwargs, embed]` (already known to be JSON).
+
+        The job is the kwargs (send_task(..., kwargs=job)) or a lone dict argument (args=[job]).
+        A body of another shape becomes a job that fails validation with a clear message."""
+        data = raw_body.encode() if isinstance(raw_body, str) else raw_body
+        try:
+            payload = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return b"", f"body is not valid JSON: {exc}"
+        if not (isinstance(payload, list) and len(payload) == 3):
+            return b"", "not a Celery protocol v2 body ([args, kwargs, embed])"
+        args, kwargs, _embed = payload
+        if not args and isinstance(kwargs, dict):
+            return json.dumps(kwargs).encode(), None
+        if isinstance(args, list) and len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+            return json.dumps(args[0]).encode(), None
+        # Positional arguments have no field names: the job fails, saying so.
+        return json.dumps({"positional_args": args, **(kwargs or {})}).encode(), None
+
+    # -- holding and letting go --------------------------------------------------------------
+
+    def extend(self, leases: list[Lease]) -> list[Lease]:
+        if not leases:
+            return []
+        options = transport_options(self.queue, self.lease_timeout_s)
+        lost = self._extend_script(
+            keys=[options["unacked_key"], options["unacked_index_key"]],
+            args=[time.time(), *[le.handle for le in leases]],
+        )
+        lost_tags = {_text(x) for x in lost}
+        return [le for le in leases if le.handle in lost_tags]
+
+    def _forget(self, lease: Lease) -> None:
+        self._messages.pop(lease.message_id, None)
+        if lease.job_id is not None:
+            self.redis.hdel(self.deliveries_key, lease.job_id)
+
+    def ack(self, lease: Lease) -> None:
+        self.channel.basic_ack(lease.handle)
+        self._forget(lease)
+
+    def release(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            self.channel.basic_reject(lease.handle, requeue=True)
+            self._messages.pop(lease.message_id, None)
+
+    def dead_letter(self, lease: Lease, reason: str) -> None:
+        message = self._messages.get(lease.message_id)
+        record = {
+            "reason": reason,
+            "task_id": lease.job_id,
+            "delivery_count": lease.delivery_count,
+            "queue": self.queue,
+            # The envelope as the broker held it: the body stays base64, never deserialized.
+            "envelope": message._raw if message is not None else None,
+        }
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lpush(self.dead_letter_list, json.dumps(record, default=str))
+        pipe.ltrim(self.dead_letter_list, 0, DEAD_LETTER_MAXLEN - 1)
+        pipe.execute()
+        self.ack(lease)
+
+    def num_pending(self) -> int | None:
+        return len(self._messages)
+
+    def close(self) -> None:
+        try:
+            self.channel.close()
+        finally:
+            self.connection.release()
+
+
+class CeleryProducer(JobProducer):
+    """Sends jobs as Celery protocol v2 messages (JSON), as `app.send_task` would."""
+
+    def __init__(self, broker_url: str, *, queue: str = "qworker") -> None:
+        from kombu import Connection, Exchange, Queue
+
+        self.queue = queue
+        self.connection = Connection(broker_url)
+        self.kqueue = Queue(queue, Exchange(queue, type="direct"), routing_key=queue)
+        self.producer = self.connection.Producer()
+
+    def send(self, jobs: list[OutgoingJob]) -> list[str]:
+        for job in jobs:
+            kwargs = json.loads(job.body)
+            headers = {
+                "lang": "py",
+                "task": TASK_NAME,
+                "id": job.job_id,
+                "root_id": job.job_id,
+                "parent_id": None,
+                "group": None,
+                "retries": 0,
+                "eta": None,
+                "expires": None,
+                "argsrepr": "()",
+                "kwargsrepr": "{...}",
+                "origin": "qworker",
+            }
+            self.producer.publish(
+                [[], kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}],
+                serializer="json",
+                headers=headers,
+                exchange=self.kqueue.exchange,
+                routing_key=self.queue,
+                declare=[self.kqueue],
+                correlation_id=job.job_id,
+            )
+        return [job.job_id for job in jobs]
+
+    def queue_depth(self) -> int | None:
+        with self.connection.channel() as channel:
+            return int(channel._size(self.queue))
+
+    def close(self) -> None:
+        self.connection.release()
