@@ -194,3 +194,23 @@ def test_killed_worker_tasks_are_redelivered_and_completed(
     assert redelivered and all(v["worker"] == "peer" for v in redelivered)
     assert broker.llen(queue) == 0 and broker.hlen(f"{queue}.unacked") == 0
     forget(broker, [r.id for r in sent])
+
+
+@pytest.mark.timeout(120)
+def test_qworker_client_on_a_celery_queue_streams_and_celery_reads_it(broker, queue, celery_app, engine_args):
+    from celery.result import AsyncResult
+
+    with Client(queue=queue_url(queue)) as client:
+        job_id = client.submit(
+            {"prompt_token_ids": [5, 6, 7], "params": {"max_tokens": 6, "ignore_eos": True}}
+        )
+        worker = make_worker(engine_args, queue_url(queue))
+        thread = threading.Thread(target=worker.run, kwargs={"burst": True}, daemon=True)
+        thread.start()
+        deltas = list(client.stream(job_id, timeout=60))
+        thread.join(60)
+        result = client.result(job_id, timeout=5)
+    assert result.status is JobStatus.COMPLETED and len(result.token_ids) == 6
+    assert "".join(deltas) == result.text
+    assert AsyncResult(job_id, app=celery_app).get(timeout=5)["token_ids"] == result.token_ids
+    forget(broker, [job_id])
