@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from qworker import LLM, SamplingParams
 from qworker.bench.workload import BenchRequest, generate_requests, load_workload
@@ -33,13 +34,16 @@ def run_qworker(llm: LLM, requests: list[BenchRequest]) -> dict[str, float]:
     peak_blocks = 0
     num_output_tokens = 0
     steps = 0
+    progress = tqdm(total=sum(r.output_len for r in requests), desc="qworker output tokens", mininterval=5)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             num_output_tokens += len(out.new_token_ids)
+            progress.update(len(out.new_token_ids))
         steps += 1
         peak_blocks = max(peak_blocks, engine.kv_stats().num_used_blocks)
     elapsed = time.perf_counter() - start
+    progress.close()
     block_size = engine.config.block_size
     # A contiguous cache reserves prompt + max_tokens slots per request for its whole life.
     contiguous_slots = sum(r.prompt_len + r.output_len for r in requests)
@@ -55,10 +59,12 @@ def run_qworker(llm: LLM, requests: list[BenchRequest]) -> dict[str, float]:
     }
 
 
-def run_hf_static(model_path: Path, requests: list[BenchRequest], batch_size: int) -> dict[str, float]:
+def run_hf_static(
+    model_path: Path, requests: list[BenchRequest], batch_size: int, dtype: torch.dtype
+) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     pad_id = 0
     num_useful_tokens = 0
     start = time.perf_counter()
@@ -101,6 +107,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--json", type=Path, default=None)
+    # auto: bf16 where the CPU has bf16 hardware (AMX / AVX512-BF16), else fp32; both systems use it.
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
     spec = load_workload(args.workload)
@@ -109,7 +117,7 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(
         "smollm2",
-        dtype="bfloat16",
+        dtype=args.dtype,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -123,8 +131,8 @@ def main() -> None:
         f"{sum(r.prompt_len for r in requests)} prompt / {sum(r.output_len for r in requests)} output tokens"
     )
     print(
-        f"qworker startup {startup:.1f}s, attention backend {engine.attention_backend_name}, "
-        f"{engine.num_kv_blocks} KV blocks"
+        f"dtype {engine.dtype}, qworker startup {startup:.1f}s, "
+        f"attention backend {engine.attention_backend_name}, {engine.num_kv_blocks} KV blocks"
     )
     qw = run_qworker(llm, requests)
     qw["startup_seconds"] = startup
@@ -141,8 +149,9 @@ def main() -> None:
     if not args.skip_hf:
         from qworker.model.loader import resolve_model
 
+        dtype = engine.dtype
         del llm, engine
-        hf = run_hf_static(resolve_model("smollm2").path, requests, args.hf_batch_size)
+        hf = run_hf_static(resolve_model("smollm2").path, requests, args.hf_batch_size, dtype)
         print(
             f"hf-static: {hf['output_throughput']:8.1f} output tok/s  ({hf['seconds']:.1f}s, "
             f"batch {args.hf_batch_size})"

@@ -135,7 +135,9 @@ def bench(
         float | None, typer.Option(help="Per-request limit from send to finish (default: none)")
     ] = None,
     model: Annotated[str, typer.Option(help="smollm2, a Hugging Face directory or a .gguf file")] = "smollm2",
-    dtype: str = "bfloat16",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bf16 where the CPU has bf16 hardware, else fp32), float32, bfloat16")
+    ] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda (every system uses the same)")] = "auto",
     block_size: Annotated[int | None, typer.Option(help="qworker default block size")] = None,
     num_kv_blocks: Annotated[

@@ -50,7 +50,7 @@ class BenchSettings:
     """Settings shared by every system in a run (from the command line)."""
 
     model: str = "smollm2"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     batch_size: int = 32
     num_warmup_requests: int = 1
