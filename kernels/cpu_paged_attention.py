@@ -1,0 +1,346 @@
+"""Paged decode attention on the CPU: a small C kernel built at first use, a torch fallback, a reference.
+
+The C source (cpu_paged_attention.c, beside this file) reads K and V in place through the block
+table: it never gathers the batch's K/V (that alone costs 4.4 ms per layer for K at 128 x 400, see
+DESIGN.md). It is compiled with the system C compiler (``$CC`` or ``gcc``, ``-O3 -march=native
+-fopenmp``, about 1 s on a quiet machine) into ``$QWORKER_CACHE_DIR/kernels/<hash>/`` (default
+``~/.cache/qworker``) and loaded with ctypes. The hash covers the source, the flags, the compiler
+version and the CPU, so a cache shared between machines never hands one a library built for another.
+Where the compiler has no OpenMP the kernel is built without it and runs on one thread.
+
+Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads. Its library resolves
+``libgomp.so.1`` to the copy torch already loaded, so both share one thread pool.
+
+This module has no relative imports: tests load it by file path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "is_available",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_decode_attention_torch",
+]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+_LIB_NAME = "cpu_paged_attention.so"
+_CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+_OPENMP_FLAG = "-fopenmp"
+_DTYPES = (torch.float32, torch.bfloat16)
+# The C kernel's limits (MAX_HEAD_DIM there; rows are read 16 elements at a time). Other head
+# dims go to the torch path.
+_MAX_HEAD_DIM = 512
+# The torch fallback gathers K and V for about this many bytes at a time.
+_FALLBACK_BYTES = 64 << 20
+
+# Return codes of qw_paged_decode_attention: (exception type, message).
+_ERRORS: dict[int, tuple[type[Exception], str]] = {
+    1: (ValueError, "seq_lens holds a length < 1 or > max_blocks_per_seq * block_size"),
+    2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
+    3: (RuntimeError, "shape the C kernel does not support got past the launcher's checks"),
+    4: (MemoryError, "the C kernel could not allocate its working memory"),
+}
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("QWORKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "qworker")
+    return Path(root) / "kernels"
+
+
+def _cpu_fingerprint() -> str:
+    # -march=native builds for this CPU: the model name and feature flags name it.
+    lines = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part") and line not in lines:
+                    lines.append(line)
+    except OSError:
+        pass
+    return "\n".join(lines)
+
+
+def _compile(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
+    """Builds into a temporary file then renames it, so concurrent processes never load half a file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build_and_load(compiler: str, version: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    key = hashlib.sha256()
+    for part in (
+        _SOURCE.read_bytes(),
+        " ".join(flags).encode(),
+        version.encode(),
+        _cpu_fingerprint().encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    target = _cache_root() / key.hexdigest()[:24] / _LIB_NAME
+    if target.exists():
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as e:  # a damaged cache entry: build it again
+            logger.warning("rebuilding %s: %s", target, e)
+    _compile(compiler, flags, _SOURCE, target)
+    return ctypes.CDLL(str(target))
+
+
+@functools.lru_cache(maxsize=1)
+def _load_library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None (and a warning) when it cannot be built."""
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        logger.warning("no C compiler found; CPU paged attention uses the torch fallback")
+        return None
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("C compiler %s unusable, CPU paged attention uses the torch fallback: %s", compiler, e)
+        return None
+    lib = None
+    for flags in ((*_CFLAGS, _OPENMP_FLAG), _CFLAGS):
+        try:
+            lib = _build_and_load(compiler, version, flags)
+            break
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            logger.warning("CPU paged attention kernel build failed with %s: %s", " ".join(flags), e)
+    if lib is None:
+        logger.warning("CPU paged attention uses the torch fallback")
+        return None
+    fn = lib.qw_paged_decode_attention
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def is_available() -> bool:
+    """True when the C kernel is built (or can be built now) and loaded."""
+    return _load_library() is not None
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
+    named["seq_lens"] = seq_lens
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype must be float32 or bfloat16, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache/v_cache dtype ({k_cache.dtype}, {v_cache.dtype}) must match q ({q.dtype})")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(
+            f"block_tables must be 2-D int32, got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be 1-D int32, got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) != head_dim of k_cache ({k_cache.shape[3]})")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+            f"must have num_seqs={num_seqs} rows"
+        )
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged K/V cache.
+
+    q: [num_seqs, num_heads, head_dim], float32 or bfloat16. k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim], q's dtype. block_tables: [num_seqs, max_blocks_per_seq]
+    int32 (entries past a sequence's blocks are ignored). seq_lens: [num_seqs] int32, tokens in the
+    cache for each sequence, the current one included. Query head h reads KV head h // (num_heads //
+    num_kv_heads). Accumulates in fp32; returns ``out`` (allocated when None) in q's dtype.
+
+    Uses the C kernel when it is available and head_dim is a multiple of 16 up to 512; otherwise
+    ``paged_decode_attention_torch``. Raises ValueError on bad shapes, dtypes, devices,
+    non-contiguous inputs, out-of-range seq_lens or block ids (``out`` may then be partly written).
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    if out is None:
+        out = torch.empty_like(q)
+    head_dim = q.shape[2]
+    lib = _load_library() if head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM else None
+    if lib is None:
+        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    rc = lib.qw_paged_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        q.shape[0],
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_tables.shape[1],
+        num_blocks,
+        float(scale),
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        error, message = _ERRORS.get(rc, (RuntimeError, f"error code {rc}"))
+        raise error(f"paged_decode_attention: {message}")
+    return out
+
+
+def _check_table_values(k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    num_blocks, block_size = k_cache.shape[:2]
+    if seq_lens.numel() == 0:
+        return
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(f"paged_decode_attention: {_ERRORS[1][1]}")
+    # Only the entries within each sequence's length must be valid.
+    num_used = (seq_lens.long() + block_size - 1) // block_size  # [num_seqs]
+    used = torch.arange(block_tables.shape[1]) < num_used[:, None]  # [num_seqs, max_blocks]
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"paged_decode_attention: {_ERRORS[2][1]}")
+
+
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch fallback with the same contract: gather + SDPA for a few sequences at a time.
+
+    Sequences are taken in groups so that the gathered K and V stay near 64 MiB, whatever the
+    batch; SDPA's enable_gqa reads each KV head for its whole group, so K/V are not repeated.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check_table_values(k_cache, block_tables, seq_lens)
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    lens = seq_lens.tolist()
+    bytes_per_token = 2 * num_kv_heads * head_dim * q.element_size()
+    start = 0
+    while start < num_seqs:
+        # Grow the group while its padded gather fits the budget (always at least one sequence).
+        stop, max_len = start + 1, lens[start]
+        while stop < num_seqs:
+            longest = max(max_len, lens[stop])
+            if (stop + 1 - start) * longest * bytes_per_token > _FALLBACK_BYTES:
+                break
+            stop, max_len = stop + 1, longest
+        num_used = math.ceil(max_len / block_size)
+        table = block_tables[start:stop, :num_used].long()  # [g, num_used]
+        # Entries past a sequence's own blocks are padding, possibly out of range: read block 0.
+        blocks_needed = (seq_lens[start:stop, None] + block_size - 1) // block_size
+        table = table.masked_fill(torch.arange(num_used) >= blocks_needed, 0)
+        # k, v: [g, num_kv_heads, T, head_dim] with T = num_used * block_size
+        k = k_cache[table].flatten(1, 2).transpose(1, 2)
+        v = v_cache[table].flatten(1, 2).transpose(1, 2)
+        valid = torch.arange(k.shape[2])[None, :] < seq_lens[start:stop, None]  # [g, T]
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q[start:stop, :, None, :],  # [g, num_heads, 1, head_dim]
+            k,
+            v,
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:stop] = attn.view(stop - start, num_heads, head_dim)
+        start = stop
+    return out
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Obviously-correct reference for tests: one sequence at a time, in float64, K/V repeated for GQA."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for i in range(num_seqs):
+        n = int(seq_lens[i])
+        blocks = block_tables[i, : math.ceil(n / block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].double()  # [n, num_kv_heads, head_dim]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].double()
+        k = k.repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,213 @@
+"""Benchmark CPU paged decode attention against gather + SDPA and the memory-bandwidth floor.
+
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, block size 16). Each case
+builds several layers' caches (more bytes than the L3 holds) and visits them in turn, as a decode
+step does, so K and V come from memory rather than cache. Block tables are shuffled block ids, as
+in a fragmented pool. Figures are ms per call (one layer), median and best; ratios compare within
+this run, since these machines are shared and noisy (the best call shows the machine when quiet).
+
+    .venv/bin/python scripts/bench_cpu_attention.py [--dtype bf16 fp32] [--iters 30] [--fallback]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+CASES = ((128, 400), (32, 1000), (1, 2000))
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _load_kernel_module() -> ModuleType:
+    try:
+        import qworker_kernels.cpu_paged_attention as mod  # type: ignore[import-not-found]
+    except ImportError:
+        path = Path(__file__).resolve().parents[1] / "kernels" / "cpu_paged_attention.py"
+        spec = importlib.util.spec_from_file_location("cpu_paged_attention", path)
+        assert spec is not None and spec.loader is not None, f"cannot load {path}"
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def _time_rounds(fns: dict[str, Callable[[int], object]], num_layers: int, iters: dict[str, int]) -> dict:
+    """Interleaved rounds (each function once per layer per round), so that noise from other work on
+    the machine lands on every function alike.
+
+    Returns per function (median, best, uncontended median) in ms per call. "Uncontended" calls are
+    those whose process CPU time reached 90% of threads x wall time: every thread ran throughout,
+    none was descheduled for another process (on these shared 2-core machines a descheduled thread
+    stalls a parallel call by a 4 ms scheduler tick). None when no call qualified.
+    """
+    threads = torch.get_num_threads()
+    for fn in fns.values():  # warm-up: page in, build, settle the thread pool
+        for layer in range(num_layers):
+            fn(layer)
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    quiet: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(max(iters.values())):
+        for name, fn in fns.items():
+            if i >= iters[name]:
+                continue
+            for layer in range(num_layers):
+                cpu0, start = time.process_time(), time.perf_counter()
+                fn(layer)
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+                wall[name].append(elapsed * 1e3)
+                if cpu >= 0.9 * threads * elapsed:
+                    quiet[name].append(elapsed * 1e3)
+    return {
+        name: (statistics.median(t), min(t), statistics.median(quiet[name]) if quiet[name] else None)
+        for name, t in wall.items()
+    }
+
+
+def _gather_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    # The trap: materialise every sequence's K and V, then masked SDPA.
+    num_seqs = q.shape[0]
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [num_seqs, num_kv_heads, T, head_dim]
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(k.shape[2])[None, :] < seq_lens[:, None]  # [num_seqs, T]
+    return F.scaled_dot_product_attention(
+        q.view(num_seqs, NUM_HEADS, 1, HEAD_DIM),
+        k,
+        v,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+
+
+def bench_case(
+    mod: ModuleType, dtype: torch.dtype, num_seqs: int, context: int, args: argparse.Namespace
+) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = num_seqs * blocks_per_seq
+    esize = torch.finfo(dtype).bits // 8
+    layer_bytes = 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * esize
+    # Enough layers that the working set is several times the L3 (32 MiB here).
+    num_layers = max(args.min_layers, math.ceil(args.working_set_mb * 2**20 / layer_bytes))
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(num_layers)]
+    v_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(num_layers)]
+    qs = [torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(num_layers)]
+    block_tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(num_seqs, blocks_per_seq)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    out = torch.empty(num_seqs, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+    read_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * esize
+
+    def kernel(i: int) -> object:
+        return mod.paged_decode_attention(qs[i], k_caches[i], v_caches[i], block_tables, seq_lens, scale, out)
+
+    def fallback(i: int) -> object:
+        return mod.paged_decode_attention_torch(
+            qs[i], k_caches[i], v_caches[i], block_tables, seq_lens, scale, out
+        )
+
+    def baseline(i: int) -> object:
+        return _gather_sdpa(qs[i], k_caches[i], v_caches[i], block_tables, seq_lens, scale)
+
+    # Floor: a copy of as many bytes as the kernel reads (K and V of one layer), source and destination
+    # cold. Bandwidth counts read and write, as DESIGN.md's 24 GB/s does; the floor reads at it.
+    src = [
+        torch.cat([c.view(-1), d.view(-1)])[: read_bytes // esize]
+        for c, d in zip(k_caches, v_caches, strict=True)
+    ]
+    dst = [torch.empty_like(x) for x in src]
+
+    def copy(i: int) -> object:
+        return dst[i].copy_(src[i])
+
+    torch.testing.assert_close(kernel(0).float(), baseline(0).view_as(out).float(), atol=2e-2, rtol=2e-2)
+    fns = {"kernel": kernel, "copy": copy, "gather_sdpa": baseline}
+    iters = {"kernel": args.iters, "copy": args.iters, "gather_sdpa": max(3, args.iters // 8)}
+    if args.fallback:
+        fns["torch_fallback"] = fallback
+        iters["torch_fallback"] = max(3, args.iters // 8)
+    row = _time_rounds(fns, num_layers, iters)
+    copy_median, copy_min, copy_quiet = row.pop("copy")
+    row["copy_gbs"] = 2 * read_bytes / copy_min / 1e6  # read + write, best call
+    row["floor"] = tuple(None if t is None else t / 2 for t in (copy_median, copy_min, copy_quiet))
+    row["read_mb"] = read_bytes / 1e6
+    return row
+
+
+def _cell(row: dict, key: str) -> str:
+    if key not in row:
+        return "-"
+    median, best, quiet = row[key]
+    return f"{median:7.3f} [{best:6.3f}] ({'-' if quiet is None else f'{quiet:.3f}'})"
+
+
+def _ratio(row: dict, num: str, den: str) -> str:
+    # Uncontended medians where both have them, else plain medians.
+    use = 2 if row[num][2] is not None and row[den][2] is not None else 0
+    return f"{row[num][use] / row[den][use]:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--working-set-mb", type=float, default=128.0)
+    parser.add_argument("--min-layers", type=int, default=4)
+    parser.add_argument("--fallback", action="store_true", help="also time the torch fallback path")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    mod = _load_kernel_module()
+    start = time.perf_counter()
+    available = mod.is_available()
+    print(
+        f"C kernel available: {available} (load/build {time.perf_counter() - start:.2f} s); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        "ms per call (one layer): median [best call] (median of uncontended calls); "
+        "ratios of uncontended medians where there are some"
+    )
+    print(
+        f"{'dtype':5} {'batch x ctx':>11} {'MB read':>7} {'kernel':>26} {'floor':>26} {'copy GB/s':>9}"
+        f" {'gather+sdpa':>28} {'k/floor':>7} {'sdpa/k':>6}"
+        + (f" {'torch fallback':>28}" if args.fallback else "")
+    )
+    for name in args.dtype:
+        for num_seqs, context in CASES:
+            r = bench_case(mod, DTYPES[name], num_seqs, context, args)
+            line = (
+                f"{name:5} {f'{num_seqs}x{context}':>11} {r['read_mb']:7.1f} {_cell(r, 'kernel'):>26}"
+                f" {_cell(r, 'floor'):>26} {r['copy_gbs']:9.1f} {_cell(r, 'gather_sdpa'):>28}"
+                f" {_ratio(r, 'kernel', 'floor'):>7} {_ratio(r, 'gather_sdpa', 'kernel'):>6}"
+            )
+            if args.fallback:
+                line += f" {_cell(r, 'torch_fallback'):>28}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""CPU paged decode attention: the C kernel and the torch fallback against the plain reference."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+KERNEL_PATH = Path(__file__).resolve().parents[2] / "kernels" / "cpu_paged_attention.py"
+
+
+def _load_module() -> ModuleType:
+    try:
+        return importlib.import_module("qworker_kernels.cpu_paged_attention")
+    except ImportError:  # not installed yet: load the file itself (it has no relative imports)
+        spec = importlib.util.spec_from_file_location("cpu_paged_attention", KERNEL_PATH)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+cpa = _load_module()
+needs_kernel = pytest.mark.skipif(not cpa.is_available(), reason="no C compiler: C kernel not built")
+
+Attention = Callable[..., torch.Tensor]
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2}}
+
+
+def make_inputs(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    spare_blocks: int = 3,
+    extra_table_cols: int = 2,
+) -> tuple[torch.Tensor, ...]:
+    """Random q and pool, and block tables of shuffled block ids padded with random valid ids."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs, num_heads = len(seq_lens), num_kv_heads * group
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    max_blocks = max(blocks_per_seq) + extra_table_cols
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_tables = torch.randint(0, num_blocks, (num_seqs, max_blocks), generator=gen, dtype=torch.int32)
+    start = 0
+    for i, count in enumerate(blocks_per_seq):
+        block_tables[i, :count] = ids[start : start + count]
+        start += count
+    return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def lens_for(block_size: int) -> list[int]:
+    # 1 token, exactly one block, one more than a block, several blocks, long enough for several
+    # 32-token chunks with a ragged end; mixed in one batch.
+    return [1, block_size, block_size + 1, 3 * block_size + 5, 4 * block_size, 97, 2]
+
+
+def check(fn: Attention, inputs: tuple[torch.Tensor, ...], dtype: torch.dtype, scale: float) -> None:
+    expected = cpa.paged_decode_attention_reference(*inputs, scale)
+    actual = fn(*inputs, scale)
+    assert actual.dtype == dtype and actual.shape == inputs[0].shape
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+
+
+IMPLEMENTATIONS = [
+    pytest.param(cpa.paged_decode_attention, marks=needs_kernel, id="c"),
+    pytest.param(cpa.paged_decode_attention_torch, id="torch"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_matches_reference(
+    fn: Attention, dtype: torch.dtype, block_size: int, head_dim: int, group: int
+) -> None:
+    inputs = make_inputs(lens_for(block_size), 2, group, head_dim, block_size, dtype)
+    check(fn, inputs, dtype, head_dim**-0.5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [2, 4, 5, 7])
+@pytest.mark.parametrize("head_dim", [16, 48, 96, 80])
+def test_odd_groups_and_head_dims(fn: Attention, dtype: torch.dtype, group: int, head_dim: int) -> None:
+    # Groups that leave 1 or 2 heads after tiles of 3; head_dims that leave column tails (80 is not
+    # a multiple of 16: the C entry point hands it to the torch path).
+    inputs = make_inputs([5, 33, 70], 1, group, head_dim, 16, dtype, seed=group)
+    check(fn, inputs, dtype, 0.3)
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_long_sequences_split_across_threads(dtype: torch.dtype, num_threads: int) -> None:
+    # Few sequences: the kernel splits them into parts and merges the partial softmaxes.
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        inputs = make_inputs([2000, 1, 700], 3, 3, 64, 16, dtype, seed=1)
+        check(cpa.paged_decode_attention, inputs, dtype, 0.125)
+        inputs = make_inputs([1500], 2, 4, 128, 32, dtype, seed=2)
+        check(cpa.paged_decode_attention, inputs, dtype, 0.1)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+def test_big_batch_bf16() -> None:
+    # SmolLM2-135M's shapes at a batch the scheduler would run.
+    lens = [int(x) for x in torch.randint(1, 300, (64,), generator=torch.Generator().manual_seed(3))]
+    inputs = make_inputs(lens, 3, 3, 64, 16, torch.bfloat16, seed=3)
+    check(cpa.paged_decode_attention, inputs, torch.bfloat16, 0.125)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_large_scores_stay_finite() -> None:
+    # Scores in the hundreds: the online softmax must subtract the running max.
+    q, k, v, bt, sl = make_inputs([300, 40], 2, 2, 64, 16, torch.float32)
+    inputs = (q * 30, k * 3, v, bt, sl)
+    expected = cpa.paged_decode_attention_reference(*inputs, 1.0)
+    actual = cpa.paged_decode_attention(*inputs, 1.0)
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+def test_writes_into_out(fn: Attention) -> None:
+    inputs = make_inputs([3, 20], 1, 2, 64, 16, torch.float32)
+    out = torch.full_like(inputs[0], float("nan"))
+    result = fn(*inputs, 0.125, out=out)
+    assert result is out
+    torch.testing.assert_close(
+        out, cpa.paged_decode_attention_reference(*inputs, 0.125), atol=2e-5, rtol=2e-5
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+def test_empty_batch(fn: Attention) -> None:
+    q, k, v, _, _ = make_inputs([4], 1, 1, 64, 16, torch.float32)
+    out = fn(q[:0], k, v, torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0.1)
+    assert out.shape == (0, 1, 64)
+
+
+def _bad_inputs() -> dict[str, tuple]:
+    q, k, v, bt, sl = make_inputs([5, 17], 2, 2, 64, 16, torch.float32)
+    wide = torch.randn(k.shape[0], k.shape[1], k.shape[2] * 2, 64)
+    return {
+        "q transposed": (q.transpose(0, 1).contiguous().transpose(0, 1), k, v, bt, sl),
+        "k_cache strided": (q, k, wide[:, :, ::2], bt, sl),
+        "v_cache strided": (q, k, wide[:, :, 1::2], bt, sl),
+        "block_tables strided": (q, k, v, bt.t().contiguous().t(), sl),
+        "block_tables int64": (q, k, v, bt.long(), sl),
+        "seq_lens int64": (q, k, v, bt, sl.long()),
+        "q fp16": (q.half(), k.half(), v.half(), bt, sl),
+        "dtype mismatch": (q.bfloat16(), k, v, bt, sl),
+        "head_dim mismatch": (q[:, :, :32].contiguous(), k, v, bt, sl),
+        "heads not a multiple": (q[:, :3].contiguous(), k, v, bt, sl),
+        "v shape": (q, k, v[:, :8].contiguous(), bt, sl),
+        "num_seqs mismatch": (q, k, v, bt[:1], sl),
+        "seq_len zero": (q, k, v, bt, torch.tensor([0, 17], dtype=torch.int32)),
+        "seq_len past table": (q, k, v, bt, torch.tensor([5, 16 * bt.shape[1] + 1], dtype=torch.int32)),
+        "block id out of range": (q, k, v, torch.full_like(bt, k.shape[0]), sl),
+        "negative block id": (q, k, v, torch.full_like(bt, -1), sl),
+    }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", sorted(_bad_inputs()))
+def test_rejects_bad_inputs(fn: Attention, case: str) -> None:
+    with pytest.raises(ValueError):
+        fn(*_bad_inputs()[case], 0.125)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+def test_rejects_bad_out(fn: Attention) -> None:
+    q, k, v, bt, sl = make_inputs([5, 17], 2, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError):
+        fn(q, k, v, bt, sl, 0.1, out=torch.empty(2, 64, 4).transpose(1, 2))
+    with pytest.raises(ValueError):
+        fn(q, k, v, bt, sl, 0.1, out=torch.empty_like(q, dtype=torch.bfloat16))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+def test_padding_entries_are_ignored(fn: Attention) -> None:
+    # Entries past a sequence's blocks may hold any id, even out of range: they are never read.
+    q, k, v, bt, sl = make_inputs([5, 17], 2, 2, 64, 16, torch.float32)
+    expected = fn(q, k, v, bt, sl, 0.1)
+    bt[0, 1:] = 10**6
+    bt[1, 2:] = -7
+    torch.testing.assert_close(fn(q, k, v, bt, sl, 0.1), expected)
+
+
+_BUILD_SCRIPT = textwrap.dedent(
+    """
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("cpu_paged_attention", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    print(module.is_available())
+    """
+)
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+def test_concurrent_first_builds_share_one_cache(tmp_path: Path) -> None:
+    # Two processes build at the same moment into an empty QWORKER_CACHE_DIR: both must load a
+    # whole library (each builds to a temp file and renames it into place).
+    env = {**os.environ, "QWORKER_CACHE_DIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BUILD_SCRIPT, str(KERNEL_PATH)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=100)[0].strip() for p in procs]
+    assert outputs == ["True", "True"]
+    built = list(tmp_path.glob("kernels/*/cpu_paged_attention.so"))
+    assert len(built) == 1
+    assert not list(tmp_path.glob("kernels/*/.build-*")), "temporary build files left behind"
