@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) -m qworker.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check qworker kernels tests scripts
