@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import threading
 import time
 from pathlib import Path
 
+from qworker.bench.workload import WorkloadSpec, generate_requests, load_workload
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
 from qworker.engine.sampling_params import SamplingParams
@@ -33,21 +33,21 @@ DOCS_END = "<!-- bench_queue:end -->"
 
 
 def make_requests(
-    spec: dict, vocab_size: int, num_requests: int | None
+    spec: WorkloadSpec, engine: LLMEngine, num_requests: int | None
 ) -> list[tuple[list[int], SamplingParams]]:
-    rng = random.Random(spec.get("seed", 0))
-    requests = []
-    for _ in range(num_requests or spec["num_requests"]):
-        prompt_len = rng.randint(spec["prompt_len"]["min"], spec["prompt_len"]["max"])
-        output_len = rng.randint(spec["output_len"]["min"], spec["output_len"]["max"])
-        prompt = [rng.randrange(100, vocab_size) for _ in range(prompt_len)]
-        params = SamplingParams(
-            max_tokens=output_len,
-            temperature=spec.get("temperature", 0.0),
-            ignore_eos=spec.get("ignore_eos", True),
+    """The workload's requests, from the same generator as `qworker bench` and bench_offline.py."""
+    if num_requests:
+        spec = spec.with_overrides(num_requests=num_requests)
+    bench_requests = generate_requests(
+        spec, engine.model_config.vocab_size, excluded_token_ids=sorted(engine.eos_token_ids)
+    )
+    return [
+        (
+            r.prompt_token_ids,
+            SamplingParams(max_tokens=r.output_len, temperature=r.temperature, ignore_eos=r.ignore_eos),
         )
-        requests.append((prompt, params))
-    return requests
+        for r in bench_requests
+    ]
 
 
 def summary(name: str, seconds: float, requests: list, num_output_tokens: int, completed: int) -> dict:
@@ -153,9 +153,9 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true", help="update docs/BENCHMARKS.md")
     args = parser.parse_args()
 
-    spec = json.loads(args.workload.read_text())
+    spec = load_workload(args.workload)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
-    requests = make_requests(spec, engine.model_config.vocab_size, args.num_requests)
+    requests = make_requests(spec, engine, args.num_requests)
     base_url = args.queue or redis_base_url()
     if not args.no_warmup:
         # The whole workload once, unmeasured: compiled kernels specialise on batch shapes, and the
@@ -170,7 +170,7 @@ def main() -> None:
     best_engine = max(engine_runs, key=lambda r: r["output_throughput"])
     best_queue = max(queue_runs, key=lambda r: r["output_throughput"])
     report = {
-        "workload": spec["name"],
+        "workload": spec.name,
         "num_requests": len(requests),
         "model": args.model,
         "repeats": args.repeats,
