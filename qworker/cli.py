@@ -52,27 +52,52 @@ def worker(
     drain_grace_s: Annotated[float, typer.Option(help="SIGTERM: finish what can within this")] = 30.0,
     burst: Annotated[bool, typer.Option(help="Process what is queued, then exit")] = False,
     log_level: str = "INFO",
+    log_payloads: Annotated[
+        bool | None,
+        typer.Option(
+            help="Log prompts and results at DEBUG (default: off, or QWORKER_LOG_PAYLOADS=1)",
+        ),
+    ] = None,
 ) -> None:
     """Serve jobs from a queue until SIGTERM (then drain and exit 0)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from qworker.config import EngineConfig
     from qworker.engine.llm_engine import LLMEngine
-    from qworker.worker.connections import default_results_url, open_sink, open_source, resolve_url
+    from qworker.worker.connections import (
+        default_results_url,
+        open_sink,
+        open_source,
+        redact_url,
+        resolve_url,
+    )
     from qworker.worker.loop import Worker
-    from qworker.worker.settings import WorkerSettings
+    from qworker.worker.settings import WorkerSettings, log_payloads_from_env, quiet_payload_loggers
+
+    if log_payloads is None:
+        log_payloads = log_payloads_from_env()
+    quiet_payload_loggers(log_payloads)
 
     settings = WorkerSettings(
         max_backlog=max_backlog,
         reserve_blocks_per_seq=reserve_blocks_per_seq,
         max_attempts=max_attempts,
         drain_grace_s=drain_grace_s,
+        log_payloads=log_payloads,
     )
     if name:
         settings.name = name
     queue_url = resolve_url(queue)
     # Connect first: a wrong URL fails in a second, not after the model has loaded.
     source = open_source(queue_url, consumer=settings.name, lease_timeout_s=lease_timeout_s)
-    sink = open_sink(results or default_results_url(queue_url), stream_results)
+    results_url = results or default_results_url(queue_url)
+    sink = open_sink(results_url, stream_results)
+    logging.getLogger("qworker.cli").info(
+        "worker %s: queue %s, results %s%s",
+        settings.name,
+        redact_url(queue_url),
+        redact_url(results_url),
+        f", stream results {redact_url(stream_results)}" if stream_results else "",
+    )
     engine = LLMEngine(
         EngineConfig(
             model=model,

@@ -14,10 +14,16 @@
 
 Final results and the live token stream may go to different stores: open_sink(results,
 stream_results) (see sinks/split.py). AWS credentials come from boto3's standard chain.
+
+Credentials and TLS: redis://user:password@host:port/db (or redis://:password@...) authenticates;
+rediss://... connects over TLS, with redis-py's ssl_* query parameters passed through, e.g.
+rediss://:pw@host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem or ?ssl_cert_reqs=none. Whatever is logged or
+shown goes through redact_url first.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -41,10 +47,28 @@ class ParsedURL:
     params: dict[str, str]
 
 
+_SECRET_QUERY = re.compile(r"([?&][^=&#]*(?:password|passwd|secret|token)[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str | None) -> str:
+    """`url` fit to log or show: the password in user:password@ and any password=/secret=/token=
+    query value replaced by ***."""
+    if not url:
+        return "(embedded Redis)"
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        end = min([i for i in (rest.find(c) for c in "/?#") if i != -1], default=len(rest))
+        netloc, tail = rest[:end], rest[end:]
+        userinfo, at, host = netloc.rpartition("@")
+        if at and ":" in userinfo:
+            url = f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}{tail}"
+    return _SECRET_QUERY.sub(r"\1***", url)
+
+
 def parse_url(url: str, known_params: set[str]) -> ParsedURL:
     parts = urlsplit(url)
     if not parts.scheme:
-        raise InvalidURLError(f"URL {url!r} has no scheme; use redis://host:port/db?stream=...")
+        raise InvalidURLError(f"URL {redact_url(url)!r} has no scheme; use redis://host:port/db?stream=...")
     query = parse_qsl(parts.query, keep_blank_values=True)
     params = {k: v for k, v in query if k in known_params}
     rest = [(k, v) for k, v in query if k not in known_params]
@@ -92,9 +116,11 @@ def _aws_parts(url: str) -> tuple[str, str, dict[str, str]]:
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = set(query) - AWS_PARAMS
     if unknown:
-        raise InvalidURLError(f"unknown parameters {sorted(unknown)} in {url!r}; known: {sorted(AWS_PARAMS)}")
+        raise InvalidURLError(
+            f"unknown parameters {sorted(unknown)} in {redact_url(url)!r}; known: {sorted(AWS_PARAMS)}"
+        )
     if not parts.netloc:
-        raise InvalidURLError(f"URL {url!r} names no queue or bucket")
+        raise InvalidURLError(f"URL {redact_url(url)!r} names no queue or bucket")
     return parts.netloc, parts.path, query
 
 
@@ -180,7 +206,7 @@ def open_source(url: str | None, consumer: str, lease_timeout_s: float | None = 
             lease_timeout_s=lease_timeout_s or _number(parsed.params, "lease_timeout_s", 30.0),
         )
     raise InvalidURLError(
-        f"unsupported queue URL scheme {parsed.scheme!r} in {url!r}; "
+        f"unsupported queue URL scheme {parsed.scheme!r} in {redact_url(url)!r}; "
         "use redis://, unix://, sqs:// or celery+redis://"
     )
 
@@ -222,7 +248,7 @@ def open_producer(url: str | None, payload_location: str | None = None) -> JobPr
             group=parsed.params.get("group", constants.DEFAULT_GROUP),
         )
     raise InvalidURLError(
-        f"unsupported queue URL scheme {parsed.scheme!r} in {url!r}; "
+        f"unsupported queue URL scheme {parsed.scheme!r} in {redact_url(url)!r}; "
         "use redis://, unix://, sqs:// or celery+redis://"
     )
 
@@ -267,6 +293,6 @@ def open_sink(url: str | None, stream_url: str | None = None) -> ResultSink:
             delta_maxlen=int(_number(parsed.params, "delta_maxlen", constants.DEFAULT_DELTA_MAXLEN)),
         )
     raise InvalidURLError(
-        f"unsupported results URL scheme {parsed.scheme!r} in {url!r}; "
+        f"unsupported results URL scheme {parsed.scheme!r} in {redact_url(url)!r}; "
         "use redis://, unix://, s3:// or celery+redis://"
     )

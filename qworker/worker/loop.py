@@ -190,6 +190,8 @@ class Worker:
             reason = f"delivered {lease.delivery_count} times; max_attempts is {self.max_attempts}"
             self._fail_and_dead_letter(lease, job_id, "DeadLettered", reason)
             return
+        if self.settings.log_payloads:
+            logger.debug("job %s payload: %r", job_id, lease.body)
         try:
             job = decode_job(lease.body, job_id)
         except JobDecodeError as exc:
@@ -215,7 +217,8 @@ class Worker:
             self._fail(lease, job_id, job, type(exc).__name__, str(exc))
             return
         except Exception as exc:  # a tokenizer or chat template that rejects this input
-            logger.warning("job %s: cannot prepare its prompt", job_id, exc_info=True)
+            # The traceback may quote the input: only with payload logging on.
+            logger.warning("job %s: cannot prepare its prompt", job_id, exc_info=self.settings.log_payloads)
             self._fail(lease, job_id, job, "InvalidRequestError", f"cannot prepare the prompt: {exc}")
             return
         num_prompt_tokens = len(prompt["prompt_token_ids"])
@@ -298,6 +301,8 @@ class Worker:
 
     def _store_and_ack(self, result: JobResult, leases: list[Lease]) -> None:
         """The one place a job ends: its result is stored, and only then is its message acked."""
+        if self.settings.log_payloads:
+            logger.debug("job %s result (%s): %r", result.id, result.status.value, result.text)
         if not self.sink.write_result(result):
             logger.info("job %s already had a result; keeping that one", result.id)
         for lease in leases:
@@ -318,7 +323,11 @@ class Worker:
         self._store_and_ack(self._result(job_id, job, lease, status, error, None), [lease])
 
     def _fail(self, lease: Lease, job_id: str, job: Job | None, error_type: str, message: str) -> None:
-        logger.info("job %s failed: %s: %s", job_id, error_type, message[:200])
+        # The message may quote the input (a validation error shows the offending value).
+        if self.settings.log_payloads:
+            logger.info("job %s failed: %s: %s", job_id, error_type, message[:200])
+        else:
+            logger.info("job %s failed: %s", job_id, error_type)
         self._finish_without_engine(
             lease, job_id, job, JobStatus.FAILED, JobError(type=error_type, message=message)
         )

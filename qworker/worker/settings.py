@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
 from dataclasses import dataclass, field
+
+# Set to 1 to log job payloads (prompts, message bodies, result text) at DEBUG. Off by default:
+# prompts are user data, and DEBUG logs often end up in shared log stores.
+LOG_PAYLOADS_ENV = "QWORKER_LOG_PAYLOADS"
+
+# Libraries that log request and response bodies (so: prompts) at DEBUG.
+PAYLOAD_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "kombu", "celery", "amqp", "redis")
+
+
+def log_payloads_from_env() -> bool:
+    return os.environ.get(LOG_PAYLOADS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def quiet_payload_loggers(log_payloads: bool) -> None:
+    """Unless payload logging is on, keep the libraries that dump message bodies at DEBUG (botocore
+    logs every SQS message it sends or receives) at INFO, whatever the root level."""
+    if log_payloads:
+        return
+    for name in PAYLOAD_LOGGERS:
+        lib = logging.getLogger(name)
+        if lib.level == logging.NOTSET or lib.level < logging.INFO:
+            lib.setLevel(logging.INFO)
 
 
 def default_worker_name() -> str:
@@ -31,6 +54,8 @@ class WorkerSettings:
     stats_interval_s: float = 1.0
     # SIGTERM: finish what can finish within this, release the rest at once.
     drain_grace_s: float = 30.0
+    # Log job payloads (prompt, result text, decode errors that quote the input) at DEBUG.
+    log_payloads: bool = field(default_factory=log_payloads_from_env)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
