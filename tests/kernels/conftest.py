@@ -9,16 +9,29 @@ test module repeats the assignment so that it also holds when run on its own.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+
+
+def load_kernel_module(name: str) -> ModuleType:
+    """Load kernels/<name>.py afresh by path, after TRITON_INTERPRET is set (see the docstring)."""
+    path = Path(__file__).resolve().parents[2] / "kernels" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_test_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _rewrap_triton_stdlib_for_interpreter() -> None:

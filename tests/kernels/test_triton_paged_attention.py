@@ -5,31 +5,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated; see conftest.py
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kernels.conftest import load_kernel_module
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(120)
 
 
-def _load_kernel_module(name: str) -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "kernels" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pa = _load_kernel_module("triton_paged_attention")
+pa = load_kernel_module("triton_paged_attention")
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
