@@ -1,7 +1,7 @@
 """`qworker demo`: the whole path on one machine, with nothing to set up.
 
-Starts the embedded Redis server and a worker (a thread of this process) on SmolLM2, submits
-chat jobs of mixed lengths through the client, streams one live, and prints a table.
+Starts the embedded Redis server and a worker (on the main thread) on SmolLM2; a client thread
+submits chat jobs of mixed lengths through the client, streams one live, and prints a table.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ def _row(result: JobResult) -> tuple[str, ...]:
 def run_demo(num_jobs: int = 20, model: str = "smollm2") -> None:
     from qworker.config import EngineConfig
     from qworker.engine.llm_engine import LLMEngine
-    from qworker.worker.client import Client
     from qworker.worker.connections import open_sink, open_source
     from qworker.worker.embedded import embedded_redis_url
     from qworker.worker.loop import Worker
@@ -73,8 +72,30 @@ def run_demo(num_jobs: int = 20, model: str = "smollm2") -> None:
     )
     settings = WorkerSettings(name=f"demo-worker-{run_tag}")
     worker = Worker(engine, open_source(url, consumer=settings.name), open_sink(url), settings)
-    thread = threading.Thread(target=worker.run, name="qworker-demo-worker", daemon=True)
-    thread.start()
+    failure: list[BaseException] = []
+
+    def client_side() -> None:
+        try:
+            _submit_stream_and_report(console, url, run_tag, num_jobs, started)
+        except BaseException as exc:  # re-raised on the main thread
+            failure.append(exc)
+        finally:
+            worker.stop()
+
+    # The worker (so the engine) keeps the main thread: torch's CPU thread pool runs the same
+    # matmuls 1.3-1.7x slower when called from a second Python thread. The client only does I/O.
+    client_thread = threading.Thread(target=client_side, name="qworker-demo-client", daemon=True)
+    client_thread.start()
+    worker.run()
+    client_thread.join(timeout=30)
+    if failure:
+        raise failure[0]
+
+
+def _submit_stream_and_report(
+    console: Console, url: str, run_tag: str, num_jobs: int, started: float
+) -> None:
+    from qworker.worker.client import Client
 
     client = Client(queue=url)
     jobs = []
@@ -96,8 +117,6 @@ def run_demo(num_jobs: int = 20, model: str = "smollm2") -> None:
     console.print("\n")
 
     results = client.results(job_ids, timeout=300)
-    worker.stop()
-    thread.join(timeout=30)
     table = Table(title=f"{len(results)} jobs through the queue")
     for column in ("id", "queued s", "TTFT s", "tokens", "tok/s", "status"):
         table.add_column(column, justify="left" if column in ("id", "status") else "right")
