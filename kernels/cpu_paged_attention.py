@@ -44,6 +44,8 @@ _LIB_NAME = "cpu_paged_attention.so"
 _CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 _OPENMP_FLAG = "-fopenmp"
 _DTYPES = (torch.float32, torch.bfloat16)
+# The torch fallback serves the engine on any device (the torch backend on CUDA, fp16 included).
+_FALLBACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The C kernel's limits (MAX_HEAD_DIM there; rows are read 16 elements at a time). Other head
 # dims go to the torch path.
 _MAX_HEAD_DIM = 512
@@ -157,14 +159,19 @@ def _check_inputs(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor | None,
+    *,
+    is_kernel: bool = True,
 ) -> None:
+    """Shapes, dtypes and layout; the C kernel (is_kernel) also needs CPU tensors in fp32/bf16."""
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
     named["seq_lens"] = seq_lens
     if out is not None:
         named["out"] = out
     for name, t in named.items():
-        if t.device.type != "cpu":
+        if is_kernel and t.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU, got {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
     if q.dim() != 3:
@@ -175,8 +182,9 @@ def _check_inputs(
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"q dtype must be float32 or bfloat16, got {q.dtype}")
+    dtypes = _DTYPES if is_kernel else _FALLBACK_DTYPES
+    if q.dtype not in dtypes:
+        raise ValueError(f"q dtype must be one of {dtypes}, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"k_cache/v_cache dtype ({k_cache.dtype}, {v_cache.dtype}) must match q ({q.dtype})")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
@@ -261,7 +269,9 @@ def _check_table_values(k_cache: torch.Tensor, block_tables: torch.Tensor, seq_l
         raise ValueError(f"paged_decode_attention: {_ERRORS[1][1]}")
     # Only the entries within each sequence's length must be valid.
     num_used = (seq_lens.long() + block_size - 1) // block_size  # [num_seqs]
-    used = torch.arange(block_tables.shape[1]) < num_used[:, None]  # [num_seqs, max_blocks]
+    used = (
+        torch.arange(block_tables.shape[1], device=block_tables.device) < num_used[:, None]
+    )  # [num_seqs, max_blocks]
     ids = block_tables[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"paged_decode_attention: {_ERRORS[2][1]}")
@@ -276,12 +286,13 @@ def paged_decode_attention_torch(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch fallback with the same contract: gather + SDPA for a few sequences at a time.
+    """Plain-torch fallback with the same contract, on any device and also in fp16: gather + SDPA
+    for a few sequences at a time.
 
     Sequences are taken in groups so that the gathered K and V stay near 64 MiB, whatever the
     batch; SDPA's enable_gqa reads each KV head for its whole group, so K/V are not repeated.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, is_kernel=False)
     _check_table_values(k_cache, block_tables, seq_lens)
     if out is None:
         out = torch.empty_like(q)
@@ -302,11 +313,11 @@ def paged_decode_attention_torch(
         table = block_tables[start:stop, :num_used].long()  # [g, num_used]
         # Entries past a sequence's own blocks are padding, possibly out of range: read block 0.
         blocks_needed = (seq_lens[start:stop, None] + block_size - 1) // block_size
-        table = table.masked_fill(torch.arange(num_used) >= blocks_needed, 0)
+        table = table.masked_fill(torch.arange(num_used, device=q.device) >= blocks_needed, 0)
         # k, v: [g, num_kv_heads, T, head_dim] with T = num_used * block_size
         k = k_cache[table].flatten(1, 2).transpose(1, 2)
         v = v_cache[table].flatten(1, 2).transpose(1, 2)
-        valid = torch.arange(k.shape[2])[None, :] < seq_lens[start:stop, None]  # [g, T]
+        valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[start:stop, None]  # [g, T]
         attn = torch.nn.functional.scaled_dot_product_attention(
             q[start:stop, :, None, :],  # [g, num_heads, 1, head_dim]
             k,

@@ -195,8 +195,22 @@ def _bad_inputs() -> dict[str, tuple]:
 @pytest.mark.parametrize("fn", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", sorted(_bad_inputs()))
 def test_rejects_bad_inputs(fn: Attention, case: str) -> None:
+    if case == "q fp16" and fn is cpa.paged_decode_attention_torch:
+        # Not bad input for the fallback: it serves fp16 (test_torch_fallback_serves_fp16).
+        assert fn(*_bad_inputs()[case], 0.125).dtype == torch.float16
+        return
     with pytest.raises(ValueError):
         fn(*_bad_inputs()[case], 0.125)
+
+
+@pytest.mark.timeout(60)
+def test_torch_fallback_serves_fp16() -> None:
+    # The engine's torch backend uses the fallback on CUDA too, where models often run in fp16.
+    inputs = make_inputs(lens_for(16), 2, 3, 64, 16, torch.float16)
+    expected = cpa.paged_decode_attention_reference(*inputs, 0.125)
+    actual = cpa.paged_decode_attention_torch(*inputs, 0.125)
+    assert actual.dtype == torch.float16
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.timeout(60)

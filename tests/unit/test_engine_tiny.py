@@ -53,6 +53,15 @@ def test_greedy_matches_transformers(tiny_llama, references, engine_args) -> Non
     assert engine.kv_stats().num_used_blocks == 0
 
 
+def test_torch_decode_fallback_matches_transformers(tiny_llama, references, monkeypatch) -> None:
+    # Without the C kernel, decodes go through qworker_kernels' gather + SDPA fallback (the path
+    # the torch backend also takes on CUDA and in fp16).
+    monkeypatch.setenv("QWORKER_DISABLE_CPU_KERNEL", "1")
+    engine = tiny_engine(tiny_llama, max_num_batched_tokens=7)
+    assert engine.runner.backend._decode_kernel is None
+    assert generate(engine, prompts()) == references
+
+
 def test_preemption_gives_the_same_tokens(tiny_llama, references) -> None:
     # 16 blocks of 4 slots: the 40-token prompt alone takes 13 of them while it grows.
     engine = tiny_engine(tiny_llama, num_kv_blocks=16, block_size=4)
