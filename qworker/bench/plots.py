@@ -85,7 +85,7 @@ def plot_latency_cdfs(runs: Sequence[dict[str, Any]], rate_label: str, workload:
         for y in (0.5, 0.99):
             ax.axhline(y, color="grey", linewidth=0.6, linestyle=":")
     if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(loc="lower right", fontsize=8)
+        axes[0].legend(loc="best", fontsize=8)
     else:
         axes[0].text(0.5, 0.5, "no completed requests", transform=axes[0].transAxes, ha="center")
     fig.suptitle(f"{workload} @ {rate_label}: latency CDFs (completed requests; dotted lines at p50 and p99)")
