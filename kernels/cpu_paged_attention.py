@@ -269,9 +269,8 @@ def _check_table_values(k_cache: torch.Tensor, block_tables: torch.Tensor, seq_l
         raise ValueError(f"paged_decode_attention: {_ERRORS[1][1]}")
     # Only the entries within each sequence's length must be valid.
     num_used = (seq_lens.long() + block_size - 1) // block_size  # [num_seqs]
-    used = (
-        torch.arange(block_tables.shape[1], device=block_tables.device) < num_used[:, None]
-    )  # [num_seqs, max_blocks]
+    positions = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = positions < num_used[:, None]  # [num_seqs, max_blocks]
     ids = block_tables[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"paged_decode_attention: {_ERRORS[2][1]}")
