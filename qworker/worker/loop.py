@@ -166,7 +166,9 @@ class Worker:
         decision = self.admission_stats()
         if decision.num_jobs_to_pull == 0:
             return 0
-        leases = self.source.lease(decision.num_jobs_to_pull, self.settings.poll_interval_s if block else 0.0)
+        leases = self.source.lease(
+            decision.num_jobs_to_pull, self.settings.poll_interval_s if block else 0.0, is_idle=not self._held
+        )
         for lease in leases:
             self._take(lease)
         return len(leases)

@@ -58,10 +58,12 @@ class JobSource(abc.ABC):
     max_deliveries: int | None = None
 
     @abc.abstractmethod
-    def lease(self, max_count: int, block_s: float) -> list[Lease]:
+    def lease(self, max_count: int, block_s: float, *, is_idle: bool = True) -> list[Lease]:
         """Take up to `max_count` messages, expired leases of dead peers first.
 
-        Waits up to `block_s` for a message when none is ready (0: do not wait).
+        Waits up to `block_s` for a message when none is ready (0: do not wait). `is_idle`: the
+        caller holds no jobs, so a source may look for expired leases at once when nothing new
+        is ready, rather than only on its timer (a busy worker calls this every engine step).
         """
 
     @abc.abstractmethod

@@ -117,7 +117,7 @@ class CelerySource(JobSource):
         self._last_restore = time.monotonic()
         self.channel.qos.restore_visible(num=100, interval=1)
 
-    def lease(self, max_count: int, block_s: float) -> list[Lease]:
+    def lease(self, max_count: int, block_s: float, *, is_idle: bool = True) -> list[Lease]:
         if max_count <= 0:
             return []
         if time.monotonic() - self._last_restore >= RESTORE_INTERVAL_S:

@@ -126,7 +126,7 @@ class SqsSource(JobSource):
 
     # -- lease -------------------------------------------------------------------------------
 
-    def lease(self, max_count: int, block_s: float) -> list[Lease]:
+    def lease(self, max_count: int, block_s: float, *, is_idle: bool = True) -> list[Lease]:
         if max_count <= 0:
             return []
         if block_s <= 0 and time.monotonic() < self._skip_empty_until:
