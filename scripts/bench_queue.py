@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from qworker.engine.llm_engine import LLMEngine
 from qworker.engine.sampling_params import SamplingParams
 from qworker.worker.client import Client
 from qworker.worker.connections import open_sink, open_source
-from qworker.worker.loop import Worker
+from qworker.worker.loop import Worker, run_beside
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
@@ -94,28 +93,18 @@ def run_queue(engine: LLMEngine, requests: list, base_url: str, max_backlog: int
                                                 "ignore_eos": p.ignore_eos}}
         for prompt, p in requests
     ]  # fmt: skip
-    outcome: dict = {}
 
-    def submit_and_wait() -> None:
-        # The client side does only Redis I/O; it stops the worker once it has every result.
-        try:
-            started = time.perf_counter()
-            job_ids = client.submit_many(jobs)
-            outcome["results"] = client.results(job_ids, timeout=3600)
-            outcome["seconds"] = time.perf_counter() - started
-        finally:
-            worker.stop()
+    def submit_and_wait() -> tuple[list, float]:
+        started = time.perf_counter()
+        job_ids = client.submit_many(jobs)
+        results = client.results(job_ids, timeout=3600)
+        return results, time.perf_counter() - started
 
-    # The worker (so the engine) runs on the main thread, as `qworker worker` does: torch's CPU
-    # thread pool runs the same matmuls 1.3-1.7x slower when called from a second Python thread.
-    client_thread = threading.Thread(target=submit_and_wait, daemon=True)
-    client_thread.start()
-    worker.run()
-    client_thread.join(timeout=60)
-    results = outcome["results"]
+    # The worker (so the engine) keeps the main thread; see run_beside.
+    results, seconds = run_beside(worker, submit_and_wait)
     completed = sum(r.status.value == "completed" for r in results)
     num_output_tokens = sum(r.usage.completion_tokens for r in results)
-    out = summary("queue", outcome["seconds"], requests, num_output_tokens, completed)
+    out = summary("queue", seconds, requests, num_output_tokens, completed)
     cleanup(client.producer.redis, url)
     client.close()
     return out

@@ -6,7 +6,6 @@ submits chat jobs of mixed lengths through the client, streams one live, and pri
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -55,7 +54,7 @@ def run_demo(num_jobs: int = 20, model: str = "smollm2") -> None:
     from qworker.engine.llm_engine import LLMEngine
     from qworker.worker.connections import open_sink, open_source
     from qworker.worker.embedded import embedded_redis_url
-    from qworker.worker.loop import Worker
+    from qworker.worker.loop import Worker, run_beside
     from qworker.worker.settings import WorkerSettings
 
     console = Console()
@@ -72,24 +71,8 @@ def run_demo(num_jobs: int = 20, model: str = "smollm2") -> None:
     )
     settings = WorkerSettings(name=f"demo-worker-{run_tag}")
     worker = Worker(engine, open_source(url, consumer=settings.name), open_sink(url), settings)
-    failure: list[BaseException] = []
-
-    def client_side() -> None:
-        try:
-            _submit_stream_and_report(console, url, run_tag, num_jobs, started)
-        except BaseException as exc:  # re-raised on the main thread
-            failure.append(exc)
-        finally:
-            worker.stop()
-
-    # The worker (so the engine) keeps the main thread: torch's CPU thread pool runs the same
-    # matmuls 1.3-1.7x slower when called from a second Python thread. The client only does I/O.
-    client_thread = threading.Thread(target=client_side, name="qworker-demo-client", daemon=True)
-    client_thread.start()
-    worker.run()
-    client_thread.join(timeout=30)
-    if failure:
-        raise failure[0]
+    # The worker (so the engine) keeps the main thread; the client side only does I/O.
+    run_beside(worker, lambda: _submit_stream_and_report(console, url, run_tag, num_jobs, started))
 
 
 def _submit_stream_and_report(

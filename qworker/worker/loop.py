@@ -13,8 +13,9 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from qworker.engine.outputs import RequestOutput, StepOutput
 from qworker.errors import InvalidRequestError
@@ -35,6 +36,8 @@ from qworker.worker.sinks.base import Delta, ResultSink
 from qworker.worker.sources.base import JobSource, Lease
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -432,3 +435,33 @@ class Worker:
         self.source.release([le for h in to_release for le in (h.lease, *h.extra_leases)])
         self.stats.num_released += len(to_release)
         logger.info("worker %s released %d jobs to its peers", self.name, len(to_release))
+
+
+def run_beside(worker: Worker, task: Callable[[], T]) -> T:
+    """Serve with `worker` on this thread while `task` runs in another; stop the worker (a drain)
+    when the task ends, then return the task's value or raise its exception here.
+
+    For a process that is both worker and client (the demo, benchmarks): the worker, so the
+    engine, keeps the main thread, because torch's CPU thread pool runs the same matmuls 1.3-1.7x
+    slower when a second Python thread drives it; the task should only do I/O.
+    """
+    outcome: dict[str, Any] = {}
+
+    def side() -> None:
+        try:
+            outcome["value"] = task()
+        except BaseException as exc:  # re-raised on the calling thread
+            outcome["error"] = exc
+        finally:
+            worker.stop()
+
+    thread = threading.Thread(target=side, name=f"{worker.name}-beside", daemon=True)
+    thread.start()
+    worker.run()
+    # The worker stops when the task ends, but also on a signal: then the task is given a while.
+    thread.join(timeout=60)
+    if thread.is_alive():
+        raise RuntimeError("the worker stopped while its side task was still running")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

@@ -16,7 +16,7 @@ from qworker.worker import constants
 from qworker.worker.client import Client
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
 from qworker.worker.jobs import JobResult, JobStatus
-from qworker.worker.loop import Worker
+from qworker.worker.loop import Worker, run_beside
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.testing import cleanup, redis_base_url, unique_url, write_tiny_model_dir
 
@@ -103,6 +103,33 @@ def test_stream_yields_deltas_before_the_job_finishes(url, tiny_dir):
     assert result.timings.enqueued_at <= result.timings.started_at <= result.timings.first_token_at
     assert result.timings.first_token_at <= result.timings.finished_at
     assert_nothing_pending(url)
+
+
+@pytest.mark.timeout(120)
+def test_run_beside_serves_on_this_thread_and_returns_the_task_value(url, tiny_dir):
+    worker = make_worker(url, tiny_dir)
+    client = Client(queue=url)
+    job = {"prompt": "hello", "params": {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
+
+    def submit_and_wait() -> list[JobResult]:
+        return client.results(client.submit_many([job, job]), timeout=60)
+
+    results = run_beside(worker, submit_and_wait)
+    assert [r.status for r in results] == [JobStatus.COMPLETED] * 2
+    assert {r.worker for r in results} == {worker.name}
+    client.close()
+
+
+@pytest.mark.timeout(120)
+def test_run_beside_stops_the_worker_and_reraises_a_failing_task(url, tiny_dir):
+    worker = make_worker(url, tiny_dir)
+
+    def fail() -> None:
+        raise KeyError("from the task")
+
+    with pytest.raises(KeyError, match="from the task"):
+        run_beside(worker, fail)
+    assert worker._stop.is_set()
 
 
 @pytest.mark.timeout(120)
