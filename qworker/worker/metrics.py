@@ -1,0 +1,234 @@
+"""Prometheus metrics of one worker: what the loop observes, in Prometheus' conventions (names
+`qworker_*`, the unit in the name, `_total` on counters, seconds for time).
+
+Every metric lives on this object's own CollectorRegistry, not on prometheus_client's global one:
+two workers in one process (tests, the demo) keep separate counts, and the endpoint serves only
+qworker's metrics. Updating them is cheap (a lock and an add); the loop calls the gauge setter once
+per housekeeping pass, the rest once per job or per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+import qworker
+from qworker.worker.jobs import JobResult, JobStatus
+
+if TYPE_CHECKING:
+    from qworker.engine.block_pool import KVCacheStats
+
+# Seconds. LLM jobs on these machines take from tens of milliseconds (a short decode on a GPU) to
+# many minutes (a long generation on 2 CPU cores behind a backlog).
+LATENCY_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
+    3600.0,
+)
+# Seconds between two tokens of one job: one engine step, from about 1 ms (GPU decode) to seconds
+# (a CPU step that also prefills a long prompt).
+INTER_TOKEN_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+class WorkerMetrics:
+    """The metrics of one worker, on their own registry (serve `registry` at /metrics)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.info = Info("qworker_worker", "The model and runtime this worker serves", registry=r)
+
+        # Engine and worker state: set by set_engine_gauges.
+        self.requests_running = Gauge(
+            "qworker_requests_running", "Requests in the engine's running batch", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "qworker_requests_waiting", "Requests added to the engine and not yet scheduled", registry=r
+        )
+        self.jobs_held = Gauge(
+            "qworker_jobs_held", "Jobs this worker holds a lease on (running or in its backlog)", registry=r
+        )
+        self.kv_total_blocks = Gauge(
+            "qworker_kv_cache_total_blocks", "Blocks in the engine's paged KV cache", registry=r
+        )
+        self.kv_free_blocks = Gauge("qworker_kv_cache_free_blocks", "KV-cache blocks free", registry=r)
+        self.kv_cached_blocks = Gauge(
+            "qworker_kv_cache_cached_blocks",
+            "KV-cache blocks that hold a finished request's prefix and can be evicted (0 without "
+            "prefix caching)",
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "qworker_kv_cache_usage_ratio", "Used KV-cache blocks over all blocks, 0 to 1", registry=r
+        )
+        self.headroom_blocks = Gauge(
+            "qworker_admission_headroom_blocks",
+            "Free KV blocks left after reserving growth for running jobs and prompts for held ones",
+            registry=r,
+        )
+
+        # Counters (prometheus_client adds the _total suffix).
+        self.jobs = Counter(
+            "qworker_jobs", "Jobs that ended with a stored result, by status", ["status"], registry=r
+        )
+        self.dead_lettered = Counter(
+            "qworker_dead_lettered_jobs",
+            "Messages moved to the dead-letter queue, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.leases_lost = Counter(
+            "qworker_leases_lost", "Held jobs whose lease a peer took over (dropped here)", registry=r
+        )
+        self.jobs_released = Counter(
+            "qworker_released_jobs", "Held jobs given back to the queue unfinished (drain)", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "qworker_prompt_tokens", "Prompt tokens of jobs that reached the engine", registry=r
+        )
+        self.generation_tokens = Counter("qworker_generation_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter(
+            "qworker_preemptions", "Requests preempted (blocks freed, recomputed later)", registry=r
+        )
+        self.engine_steps = Counter("qworker_engine_steps", "Engine steps run", registry=r)
+
+        # Latency histograms, in seconds.
+        self.queue_wait = Histogram(
+            "qworker_queue_wait_seconds",
+            "From enqueue to the engine's first scheduling of the job",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "qworker_time_to_first_token_seconds",
+            "From enqueue to the first generated token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "qworker_inter_token_latency_seconds",
+            "Between consecutive tokens of one job",
+            buckets=INTER_TOKEN_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "qworker_e2e_latency_seconds",
+            "From enqueue to the stored result",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        # Every status shows from the start (0), so that rate() and the sum over statuses work
+        # before the first failure.
+        for status in JobStatus:
+            self.jobs.labels(status=status.value)
+
+    def set_info(self, *, model: str, dtype: str, device: str) -> None:
+        self.info.info({"model": model, "dtype": dtype, "device": device, "version": qworker.__version__})
+
+    def set_engine_gauges(
+        self,
+        kv: KVCacheStats,
+        *,
+        num_running: int,
+        num_waiting: int,
+        num_held: int,
+        headroom_blocks: int,
+        num_cached_blocks: int = 0,
+    ) -> None:
+        self.requests_running.set(num_running)
+        self.requests_waiting.set(num_waiting)
+        self.jobs_held.set(num_held)
+        self.kv_total_blocks.set(kv.num_total_blocks)
+        self.kv_free_blocks.set(kv.num_free_blocks)
+        self.kv_cached_blocks.set(num_cached_blocks)
+        self.kv_usage.set(kv.usage)
+        self.headroom_blocks.set(headroom_blocks)
+
+    def observe_result(self, result: JobResult) -> None:
+        """One stored result: its status, its tokens and its latencies (each one the job reached)."""
+        self.jobs.labels(status=result.status.value).inc()
+        self.observe_tokens(result.usage.prompt_tokens, result.usage.completion_tokens)
+        t = result.timings
+        if t.enqueued_at is None:
+            return
+        if t.started_at is not None:
+            self.observe_queue_wait(t.started_at - t.enqueued_at)
+        if t.first_token_at is not None:
+            self.observe_ttft(t.first_token_at - t.enqueued_at)
+        if t.finished_at is not None:
+            self.observe_e2e(t.finished_at - t.enqueued_at)
+
+    def observe_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_generation_tokens:
+            self.generation_tokens.inc(num_generation_tokens)
+
+    def observe_dead_letter(self, reason: str) -> None:
+        """`reason` is a kind from a short fixed set (an error type such as "DeadLettered",
+        "Rejected", "Unreadable"), never a message: every label value is a new time series."""
+        self.dead_lettered.labels(reason=reason).inc()
+
+    def observe_lease_lost(self, num_jobs: int = 1) -> None:
+        self.leases_lost.inc(num_jobs)
+
+    def observe_released(self, num_jobs: int) -> None:
+        self.jobs_released.inc(num_jobs)
+
+    def observe_preemptions(self, num_preemptions: int) -> None:
+        if num_preemptions:
+            self.preemptions.inc(num_preemptions)
+
+    def observe_step(self) -> None:
+        self.engine_steps.inc()
+
+    # Clock skew between a producer and this worker can make an enqueue-based duration negative:
+    # those are clamped to 0 rather than dropped, so that the count still matches the jobs.
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(max(0.0, seconds))
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(max(0.0, seconds))
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(max(0.0, seconds))
+
+    def observe_e2e(self, seconds: float) -> None:
+        self.e2e.observe(max(0.0, seconds))
