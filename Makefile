@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m qworker.cli demo
+	$(PY) -m qworker demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25

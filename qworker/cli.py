@@ -1,15 +1,32 @@
-"""The `qworker` command: worker, submit, demo (and bench, from qworker.bench)."""
+"""The `qworker` command (also `python -m qworker`): worker, submit, demo, and bench (qworker.bench)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Queue-driven LLM inference worker.")
+from qworker.bench.command import bench
+from qworker.cli_options import engine_options, worker_options
+from qworker.config import EngineConfig
+from qworker.worker.settings import WorkerSettings
+
+# Plain click help, not typer's rich panels: rich crops option names to fit its table
+# ("--max-num-batched-to…") on narrow terminals and, off a terminal, at 80 columns. Click's
+# formatter never cuts an option name; it moves the help text to the next line instead.
+HELP_WIDTH = 120
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Queue-driven LLM inference worker.",
+    rich_markup_mode=None,
+    context_settings={"max_content_width": HELP_WIDTH},
+)
 
 QueueOpt = Annotated[
     str | None,
@@ -28,40 +45,44 @@ StreamResultsOpt = Annotated[
 ]
 
 
+@dataclass(frozen=True)
+class WorkerRun:
+    """What `qworker worker` takes besides the engine config and the worker settings."""
+
+    queue: str | None
+    results: str | None
+    stream_results: str | None
+    lease_timeout_s: float | None
+    burst: bool
+    log_level: str
+
+
 @app.command()
+@engine_options()
+@worker_options()
 def worker(
     queue: QueueOpt = None,
     results: ResultsOpt = None,
     stream_results: StreamResultsOpt = None,
-    model: Annotated[str, typer.Option(help="smollm2, a Hugging Face directory or a .gguf file")] = "smollm2",
-    num_kv_blocks: Annotated[int | None, typer.Option(help="KV blocks (none: size from memory)")] = None,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    max_model_len: int | None = None,
-    dtype: str = "auto",
-    device: str = "auto",
-    attention_backend: str = "auto",
-    name: Annotated[str | None, typer.Option(help="Worker (consumer) name; unique per process")] = None,
-    max_backlog: Annotated[int, typer.Option(help="Jobs held but not started (see docs/WORKER.md)")] = 8,
-    reserve_blocks_per_seq: int = 1,
-    max_attempts: int = 3,
+    *,
+    engine_config: EngineConfig,
+    settings: WorkerSettings,
     lease_timeout_s: Annotated[
-        float | None, typer.Option(help="Lease without extension (default 30)")
+        float | None,
+        typer.Option(help="Lease without extension (none: 30 s; SQS: the queue's VisibilityTimeout)"),
     ] = None,
-    drain_grace_s: Annotated[float, typer.Option(help="SIGTERM: finish what can within this")] = 30.0,
     burst: Annotated[bool, typer.Option(help="Process what is queued, then exit")] = False,
-    log_level: str = "INFO",
-    log_payloads: Annotated[
-        bool | None,
-        typer.Option(
-            help="Log prompts and results at DEBUG (default: off, or QWORKER_LOG_PAYLOADS=1)",
-        ),
-    ] = None,
+    log_level: Annotated[str, typer.Option(help="Root log level")] = "INFO",
 ) -> None:
     """Serve jobs from a queue until SIGTERM (then drain and exit 0)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from qworker.config import EngineConfig
+    serve_worker(
+        engine_config, settings, WorkerRun(queue, results, stream_results, lease_timeout_s, burst, log_level)
+    )
+
+
+def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: WorkerRun) -> None:
+    """Everything `qworker worker` does once its options are parsed: connect, load the model, serve."""
+    logging.basicConfig(level=run.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from qworker.engine.llm_engine import LLMEngine
     from qworker.worker.connections import (
         default_results_url,
@@ -71,51 +92,27 @@ def worker(
         resolve_url,
     )
     from qworker.worker.loop import Worker
-    from qworker.worker.settings import WorkerSettings, log_payloads_from_env, quiet_payload_loggers
+    from qworker.worker.settings import quiet_payload_loggers
 
-    if log_payloads is None:
-        log_payloads = log_payloads_from_env()
-    quiet_payload_loggers(log_payloads)
-
-    settings = WorkerSettings(
-        max_backlog=max_backlog,
-        reserve_blocks_per_seq=reserve_blocks_per_seq,
-        max_attempts=max_attempts,
-        drain_grace_s=drain_grace_s,
-        log_payloads=log_payloads,
-    )
-    if name:
-        settings.name = name
-    queue_url = resolve_url(queue)
+    quiet_payload_loggers(settings.log_payloads)
+    queue_url = resolve_url(run.queue)
     # Connect first: a wrong URL fails in a second, not after the model has loaded.
-    source = open_source(queue_url, consumer=settings.name, lease_timeout_s=lease_timeout_s)
-    results_url = results or default_results_url(queue_url)
-    sink = open_sink(results_url, stream_results)
+    source = open_source(queue_url, consumer=settings.name, lease_timeout_s=run.lease_timeout_s)
+    results_url = run.results or default_results_url(queue_url)
+    sink = open_sink(results_url, run.stream_results)
     logging.getLogger("qworker.cli").info(
         "worker %s: queue %s, results %s%s",
         settings.name,
         redact_url(queue_url),
         redact_url(results_url),
-        f", stream results {redact_url(stream_results)}" if stream_results else "",
+        f", stream results {redact_url(run.stream_results)}" if run.stream_results else "",
     )
-    engine = LLMEngine(
-        EngineConfig(
-            model=model,
-            num_kv_blocks=num_kv_blocks,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            device=device,
-            attention_backend=attention_backend,
-        )
-    )
+    engine = LLMEngine(engine_config)
     w = Worker(engine, source, sink, settings)
     w.install_signal_handlers()
     # Tests and supervisors wait for this line before they send work or signals.
     print(f"qworker worker {settings.name} ready", flush=True)
-    w.run(burst=burst)
+    w.run(burst=run.burst)
     source.close()
     sink.close()
 
@@ -177,12 +174,7 @@ def demo(
     run_demo(num_jobs=num_jobs, model=model)
 
 
-try:
-    from qworker.bench.command import bench
-except ImportError:  # the bench command lives in its own module, written separately
-    pass
-else:
-    app.command("bench")(bench)
+app.command("bench")(bench)
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
+"""Engine settings. Every field is also a `qworker worker` option (qworker/cli_options.py): the help
+text here is the option's help, the default here its default."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -13,21 +16,56 @@ class SchedulingPolicy(str, Enum):
 class EngineConfig:
     """Engine settings. Names follow vLLM's engine arguments where one exists."""
 
-    model: str = "smollm2"
-    block_size: int = 16
-    # None: size the pool from `kv_cache_memory_gb` (CPU) or free device memory (GPU).
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    seed: int = 0
+    model: str = field(
+        default="smollm2", metadata={"help": "smollm2, a local Hugging Face directory, or a .gguf file"}
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block"})
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV-cache blocks in the pool (none: size it from kv_cache_memory_gb)"},
+    )
+    kv_cache_memory_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "GiB for the KV cache when num_kv_blocks is none "
+            "(none: 2 on CPU, 85% of the free memory on CUDA)"
+        },
+    )
+    max_num_seqs: int = field(default=256, metadata={"help": "Most requests running in one step"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "Token budget of one step (decodes first, then prefill chunks)"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "Longest prompt plus output, in tokens (none: the model's limit)"}
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "Split long prompts across steps, so that decodes keep running"}
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default=SchedulingPolicy.FCFS,
+        metadata={"help": "fcfs: arrival order; priority: lower job priority first, then arrival"},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (bfloat16 on CUDA and on CPUs with bf16 hardware, else float32), "
+            "float32, bfloat16, float16"
+        },
+    )
+    device: str = field(default="auto", metadata={"help": "auto (cuda when available), cpu, cuda, cuda:N"})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (triton on CUDA, torch elsewhere), torch, triton; "
+            "the QWORKER_ATTENTION_BACKEND environment variable overrides it"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "On CUDA, run decode steps eagerly instead of replaying CUDA graphs"}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "Seed of the sampler's shared generator (a job's own seed overrides it)"}
+    )
 
     def __post_init__(self) -> None:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)

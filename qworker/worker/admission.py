@@ -51,10 +51,12 @@ class AdmissionStats:
 
 @dataclass
 class AdmissionPolicy:
+    # No defaults: the worker passes WorkerSettings' max_backlog and reserve_blocks_per_seq, the
+    # single place where those defaults live.
     block_size: int
-    max_backlog: int = 4
-    reserve_blocks_per_seq: int = 1
-    max_jobs_held: int = 256
+    max_backlog: int
+    reserve_blocks_per_seq: int
+    max_jobs_held: int
     # Start at one block: the first pull is bounded by max_backlog anyway.
     typical_prompt_blocks: float = 1.0
 

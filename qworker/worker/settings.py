@@ -37,25 +37,47 @@ def default_worker_name() -> str:
 
 @dataclass
 class WorkerSettings:
-    # Also the consumer name in the queue: unique per process.
-    name: str = field(default_factory=default_worker_name)
-    # Jobs held but not yet started by the engine (see admission.py).
-    max_backlog: int = 8
-    # KV blocks kept free for each running job's growth.
-    reserve_blocks_per_seq: int = 1
-    # Deliveries allowed before a job is dead-lettered (a job that kills its worker every time
-    # must not kill every worker in the pool).
-    max_attempts: int = 3
-    # How long an idle worker blocks on the queue before it looks around again.
-    poll_interval_s: float = 0.5
-    # None: a third of the source's lease timeout.
-    lease_extend_interval_s: float | None = None
-    cancel_check_interval_s: float = 0.25
-    stats_interval_s: float = 1.0
-    # SIGTERM: finish what can finish within this, release the rest at once.
-    drain_grace_s: float = 30.0
-    # Log job payloads (prompt, result text, decode errors that quote the input) at DEBUG.
-    log_payloads: bool = field(default_factory=log_payloads_from_env)
+    """Worker settings. Every field is also a `qworker worker` option (qworker/cli_options.py): the
+    help text here is the option's help, the default here its default."""
+
+    # Also the consumer name in the queue, hence unique per process.
+    name: str = field(
+        default_factory=default_worker_name,
+        metadata={"help": "Worker (consumer) name, unique per process (default: HOST-PID-RANDOM)"},
+    )
+    # Admission (admission.py) takes these two from here; it has no defaults of its own.
+    max_backlog: int = field(
+        default=8, metadata={"help": "Jobs held but not yet started by the engine (see docs/WORKER.md)"}
+    )
+    reserve_blocks_per_seq: int = field(
+        default=1, metadata={"help": "KV blocks kept free for each running job's growth"}
+    )
+    # A job that kills its worker every time must not kill every worker in the pool.
+    max_attempts: int = field(default=3, metadata={"help": "Deliveries before a job is dead-lettered"})
+    poll_interval_s: float = field(
+        default=0.5, metadata={"help": "How long an idle worker blocks on the queue before it looks around"}
+    )
+    lease_extend_interval_s: float | None = field(
+        default=None,
+        metadata={"help": "Seconds between lease extensions of held jobs (none: a third of the lease)"},
+    )
+    cancel_check_interval_s: float = field(
+        default=0.25, metadata={"help": "Seconds between checks for cancelled jobs"}
+    )
+    stats_interval_s: float = field(
+        default=1.0, metadata={"help": "Seconds between writes of the worker's stats to the results store"}
+    )
+    drain_grace_s: float = field(
+        default=30.0, metadata={"help": "SIGTERM: finish what can finish within this, release the rest"}
+    )
+    # Prompts are user data, and DEBUG logs often end up in shared log stores.
+    log_payloads: bool = field(
+        default_factory=log_payloads_from_env,
+        metadata={
+            "help": f"Log prompts, message bodies and result text at DEBUG "
+            f"(default: off, or on when {LOG_PAYLOADS_ENV}=1)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
