@@ -19,7 +19,3 @@ class PromptTooLongError(InvalidRequestError):
 
 class UnknownModelError(QworkerError, ValueError):
     """The model name or path does not resolve to a model qworker can load."""
-
-
-class EngineCapacityError(QworkerError):
-    """The KV cache cannot hold even one request of this length."""

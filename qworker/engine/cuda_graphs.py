@@ -16,22 +16,26 @@ What a graph needs and how it is met here:
 - No host syncs inside: the Triton backend reads only device tensors (the host lists of the
   metadata are left empty in the graph, and no backend that supports graphs reads them).
 - Padding rows must not touch real data: they write their K/V into a padding block that the
-  engine allocates past the block pool's blocks (never handed to a request), attend to it with
+  runner allocates past the block pool's blocks (never handed to a request), attend to it with
   seq_len 1, and use token 0 at position 0.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from qworker.model.attention import AttentionBackend, AttentionMetadata
-from qworker.model.llama import LlamaForCausalLM
+from qworker.model.attention import AttentionMetadata
+from qworker.utils import cdiv
 
 if TYPE_CHECKING:
     from qworker.engine.runner import StepInputs
+
+# (input_ids [n] int64, positions [n] int64, meta) -> hidden [n, hidden]: the model over the KV cache.
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 # Decode batch sizes with a graph: small sizes one by one (latency-bound), then steps of 16.
 _CAPTURE_SIZES = (1, 2, 4, 8, *range(16, 257, 16))
@@ -46,24 +50,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def should_use_cuda_graphs(device: torch.device, enforce_eager: bool, backend: AttentionBackend) -> bool:
-    supports = bool(getattr(backend, "supports_cuda_graphs", False))
-    return device.type == "cuda" and not enforce_eager and supports
-
-
 class DecodeCudaGraphs:
-    """Captured decode graphs of one model and KV cache, one per batch size.
+    """Captured decode graphs of one model forward over one KV cache, one per batch size.
 
-    `capture=False` keeps everything but the capture itself: run() executes the model eagerly on
-    the same padded static buffers. That lets the CPU tests check the padding and buffer logic;
-    the engine always captures.
+    `capture=False` keeps everything but the capture itself: run() executes the forward eagerly on
+    the same padded static buffers. That lets the CPU tests check the padding and buffer logic.
     """
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        backend: AttentionBackend,
+        forward: Forward,
         *,
         block_size: int,
         max_model_len: int,
@@ -72,21 +68,14 @@ class DecodeCudaGraphs:
         device: torch.device,
         capture: bool = True,
     ) -> None:
-        num_cache_blocks = kv_caches[0][0].shape[0]
-        assert 0 <= padding_block_id < num_cache_blocks, (
-            f"padding block {padding_block_id} is outside the cache's {num_cache_blocks} blocks"
-        )
         assert not capture or device.type == "cuda", f"CUDA graphs need a CUDA device, got {device}"
-        self.model = model
-        self.kv_caches = kv_caches
-        self.backend = backend
+        self._model_forward = forward
         self.block_size = block_size
-        self.max_model_len = max_model_len
         self.padding_block_id = padding_block_id
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch_size = self.sizes[-1]
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self._is_captured = False
         self.num_runs = 0  # steps served, for stats
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -127,9 +116,7 @@ class DecodeCudaGraphs:
     # -- capture -------------------------------------------------------------------------------
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(
-            self._input_ids[:bs], self._positions[:bs], self.kv_caches, self._metas[bs], self.backend
-        )
+        return self._model_forward(self._input_ids[:bs], self._positions[:bs], self._metas[bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -200,10 +187,3 @@ class DecodeCudaGraphs:
         self._slot_mapping[start:end] = self.padding_block_id * self.block_size
         self._seq_lens[start:end] = 1
         self._block_tables[start:end, 0] = self.padding_block_id
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "sizes": self.sizes,
-            "captured": self._is_captured,
-            "max_blocks_per_seq": self.max_blocks_per_seq,
-        }

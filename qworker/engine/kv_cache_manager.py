@@ -2,10 +2,7 @@ from __future__ import annotations
 
 from qworker.engine.block_pool import BlockPool, KVCacheStats
 from qworker.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from qworker.utils import cdiv
 
 
 class KVCacheManager:

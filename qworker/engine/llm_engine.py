@@ -11,28 +11,22 @@ import torch
 
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
-from qworker.engine.cuda_graphs import DecodeCudaGraphs, should_use_cuda_graphs
 from qworker.engine.detokenizer import IncrementalDetokenizer
-from qworker.engine.kv_cache_manager import KVCacheManager, cdiv
+from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 from qworker.engine.request import Request, RequestStatus
-from qworker.engine.runner import ModelRunner
-from qworker.engine.sampler import Sampler
+from qworker.engine.runner import ModelRunner, resolve_device, resolve_dtype
 from qworker.engine.sampling_params import SamplingParams
-from qworker.engine.scheduler import Scheduler, SchedulerOutput
+from qworker.engine.scheduler import Scheduler
 from qworker.errors import InvalidRequestError, PromptTooLongError
-from qworker.model.attention import select_attention_backend
 from qworker.model.config import ModelConfig
-from qworker.model.llama import LlamaForCausalLM
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
-from qworker.model.ops import select_model_ops
+from qworker.utils import cdiv
+
+# resolve_device and resolve_dtype live in the runner; qworker.bench still imports them from here.
+__all__ = ["LLMEngine", "Prompt", "resolve_device", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
-
-# CPU default for the KV pool when num_kv_blocks is not given.
-DEFAULT_CPU_KV_CACHE_GB = 2.0
-# Share of free accelerator memory the KV pool may take.
-GPU_KV_CACHE_FRACTION = 0.85
 
 Prompt = str | dict[str, Any] | Sequence[int]
 
@@ -47,54 +41,18 @@ class _RequestState:
     metrics: RequestMetrics
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 in hardware (AMX or AVX512-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type != "cpu" or cpu_has_fast_bf16():
-            return torch.bfloat16
-        # Without AMX or AVX512-BF16, bf16 matmuls run a slow path: measured 7x slower than
-        # fp32 on an AVX2-only EPYC (0.018 vs 0.136 TFLOP/s at 256x576x1536).
-        return torch.float32
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
-    return names[dtype]
-
-
 class LLMEngine:
-    """The engine core: add requests, step, read streamed outputs. Knows nothing of queues."""
+    """The engine core: add requests, step, read streamed outputs. Knows nothing of queues.
+
+    The weights, the KV cache tensors and the device live in `runner`; the engine keeps the
+    tokenizer, the request states and the scheduler.
+    """
 
     def __init__(
         self, config: EngineConfig, *, hf_config: Any = None, state_dict: Any = None, tokenizer: Any = None
     ) -> None:
         self.config = config
         started = time.perf_counter()
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if hf_config is None:
             resolved = resolve_model(config.model)
             hf_config = load_hf_config(resolved.path)
@@ -103,31 +61,17 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_config = ModelConfig.from_hf(hf_config)
         self.max_model_len = self._max_model_len()
-        backend = select_attention_backend(config.attention_backend, self.device)
-        model = LlamaForCausalLM(
-            self.model_config, max_positions=self.max_model_len, ops=select_model_ops(backend.name)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.runner = ModelRunner(
+            config,
+            self.model_config,
+            self.max_model_len,
+            state_dict=state_dict,
+            eos_token_ids=sorted(self.eos_token_ids),
         )
-        if state_dict is not None:
-            model.load_hf_state_dict(state_dict)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        # RoPE tables stay float32, as transformers computes them.
-        self.model.rotary.float()
-
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
-        self.num_kv_blocks = num_blocks
-        mc = self.model_config
-        # One allocation for every layer: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim].
-        # Zeroed: padding block ids in block tables point into it and must not hold NaNs.
-        # One block more than the pool hands out: the padding rows of a CUDA-graph decode batch
-        # write their K/V there.
-        self.padding_block_id = num_blocks
-        self._kv_cache = torch.zeros(
-            (mc.num_layers, 2, num_blocks + 1, config.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        kv_caches = [(self._kv_cache[i, 0], self._kv_cache[i, 1]) for i in range(mc.num_layers)]
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -135,29 +79,6 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
         )
-        self.eos_token_ids = set(mc.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(tokenizer.eos_token_id)
-        self.attention_backend_name = backend.name
-        self.runner = ModelRunner(
-            self.model,
-            kv_caches,
-            config.block_size,
-            backend,
-            Sampler(tuple(sorted(self.eos_token_ids)), seed=config.seed),
-            self.device,
-        )
-        if should_use_cuda_graphs(self.device, config.enforce_eager, backend):
-            self.runner.cuda_graphs = DecodeCudaGraphs(
-                self.model,
-                kv_caches,
-                backend,
-                block_size=config.block_size,
-                max_model_len=self.max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                padding_block_id=self.padding_block_id,
-                device=self.device,
-            )
         self._states: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.startup_seconds = time.perf_counter() - started
@@ -167,12 +88,28 @@ class LLMEngine:
             config.model,
             self.device,
             self.dtype,
-            num_blocks,
+            self.num_kv_blocks,
             config.block_size,
-            backend.name,
+            self.attention_backend_name,
         )
 
-    # -- sizing ------------------------------------------------------------------------------
+    # -- what the runner chose ---------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks
+
+    @property
+    def attention_backend_name(self) -> str:
+        return self.runner.backend.name
 
     def _max_model_len(self) -> int:
         mc = self.model_config
@@ -184,22 +121,6 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's {limit}")
             limit = self.config.max_model_len
         return limit
-
-    def _num_blocks_from_memory(self) -> int:
-        mc = self.model_config
-        bytes_per_block = (
-            2 * mc.num_layers * self.config.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
-        )
-        if self.config.kv_cache_memory_gb is not None:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * GPU_KV_CACHE_FRACTION
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_GB * 2**30
-        # Never more than every sequence at full length would need.
-        cap = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
-        return max(1, min(int(budget // bytes_per_block), cap))
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -298,10 +219,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._states)
-
     def kv_stats(self) -> KVCacheStats:
         return self.kv_cache_manager.stats()
 
@@ -310,7 +227,6 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return each request's new tokens and text."""
         plan = self.scheduler.schedule()
-        self.last_plan: SchedulerOutput = plan
         outputs = [self._finish_capacity(request_id) for request_id in plan.capacity_finished_request_ids]
         if plan.is_empty:
             return outputs

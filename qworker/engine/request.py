@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from qworker.engine.sampling_params import SamplingParams
@@ -33,14 +32,6 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
-class RequestTimings:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-
-@dataclass
 class Request:
     """One generation request as the engine core sees it.
 
@@ -53,7 +44,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
     # Tie-breaker for the priority queue: order of arrival at the engine.
     arrival_index: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -64,7 +54,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
-        self.timings = RequestTimings(arrival_time=self.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,20 +1,71 @@
+"""The model runner owns the device: it picks the device and dtype, puts the model's weights there,
+allocates the paged KV cache, and turns each scheduler plan into tensors, runs the model (eagerly or
+by replaying a decode CUDA graph) and samples the next tokens."""
+
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from qworker.config import EngineConfig
+from qworker.engine.cuda_graphs import DecodeCudaGraphs
 from qworker.engine.request import Request
 from qworker.engine.sampler import Sampler, SamplingRow
 from qworker.engine.scheduler import ScheduledRequest, SchedulerOutput
-from qworker.model.attention import AttentionBackend, AttentionMetadata
+from qworker.model.attention import AttentionMetadata, select_attention_backend
+from qworker.model.config import ModelConfig
 from qworker.model.llama import LlamaForCausalLM
+from qworker.model.ops import select_model_ops
+from qworker.utils import cdiv
 
-if TYPE_CHECKING:
-    from qworker.engine.cuda_graphs import DecodeCudaGraphs
+# CPU default for the KV pool when neither num_kv_blocks nor kv_cache_memory_gb is given.
+DEFAULT_CPU_KV_CACHE_GB = 2.0
+# Share of free accelerator memory the KV pool may take.
+GPU_KV_CACHE_FRACTION = 0.85
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is CUDA when available, else the CPU; any other name goes to torch.device."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (AMX or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on accelerators and on CPUs with bf16 hardware, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type != "cpu" or cpu_has_fast_bf16():
+            return torch.bfloat16
+        # Without AMX or AVX512-BF16, bf16 matmuls run a slow path: measured 7x slower than
+        # fp32 on an AVX2-only EPYC (0.018 vs 0.136 TFLOP/s at 256x576x1536).
+        return torch.float32
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPE_NAMES[dtype]
 
 
 @dataclass
@@ -28,26 +79,131 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Turns a scheduler plan into tensors, runs the model and samples the next tokens."""
+    """Owns the model on its device and the paged KV cache; runs one scheduler plan per step.
+
+    `state_dict` holds Hugging Face Llama-style weights (None leaves the random init, for tests).
+    `eos_token_ids` are masked while a request is below its min_tokens. CUDA graphs are enabled at
+    construction on CUDA with a backend that supports them, unless `config.enforce_eager`.
+    """
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        block_size: int,
-        backend: AttentionBackend,
-        sampler: Sampler,
-        device: torch.device,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        *,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.backend = backend
-        self.sampler = sampler
-        self.device = device
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.backend = select_attention_backend(config.attention_backend, self.device)
+        ops = select_model_ops(self.backend.name)
+        model = LlamaForCausalLM(model_config, max_positions=max_model_len, ops=ops)
+        if state_dict is not None:
+            model.load_hf_state_dict(state_dict)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # RoPE tables stay float32, as transformers computes them.
+        self.model.rotary.float()
+
+        self.num_kv_blocks = config.num_kv_blocks or self._num_kv_blocks_from_memory(
+            model_config, config.kv_cache_memory_gb
+        )
+        # One block more than the pool hands out: the padding rows of a CUDA-graph decode batch
+        # write their K/V there.
+        self.padding_block_id = self.num_kv_blocks
+        # One allocation for every layer: [layers, 2 (k, v), blocks + 1, block_size, kv_heads, head_dim].
+        # Zeroed: padding block ids in block tables point into it and must not hold NaNs.
+        kv_cache = torch.zeros(
+            (
+                model_config.num_layers,
+                2,
+                self.num_kv_blocks + 1,
+                self.block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+            ),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        # Per layer (k_cache, v_cache), each [blocks + 1, block_size, kv_heads, head_dim].
+        self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(model_config.num_layers)]
+
+        self.sampler = Sampler(tuple(sorted(eos_token_ids)), seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
-        # Set by the engine on CUDA unless enforce_eager: pure-decode steps replay a graph.
-        self.cuda_graphs: DecodeCudaGraphs | None = None
+        self._decode_graphs: DecodeCudaGraphs | None = None
+        self._is_cuda_graphs_enabled = False
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
+            self.enable_cuda_graphs()
+
+    def _num_kv_blocks_from_memory(self, model_config: ModelConfig, memory_gb: float | None) -> int:
+        bytes_per_block = (
+            2
+            * model_config.num_layers
+            * self.block_size
+            * model_config.num_kv_heads
+            * model_config.head_dim
+            * self.dtype.itemsize
+        )
+        if memory_gb is not None:
+            budget = memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * GPU_KV_CACHE_FRACTION
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_GB * 2**30
+        # Never more than every sequence at full length would need.
+        cap = self.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        return max(1, min(int(budget // bytes_per_block), cap))
+
+    # -- CUDA graphs -------------------------------------------------------------------------
+
+    @property
+    def cuda_graphs(self) -> DecodeCudaGraphs | None:
+        """The decode graphs that pure-decode steps replay now; None while steps run eagerly."""
+        return self._decode_graphs if self._is_cuda_graphs_enabled else None
+
+    def enable_cuda_graphs(self, *, allow_cpu: bool = False) -> DecodeCudaGraphs:
+        """Replay pure-decode steps from CUDA graphs, capturing them on the first call.
+
+        Needs an attention backend that supports graphs (triton). On a CPU device this raises
+        unless `allow_cpu`: then the same padded static buffers are built but nothing is
+        captured, and graph steps run eagerly through them (smoke runs under TRITON_INTERPRET).
+        Returns the graphs now in use.
+        """
+        if not self.backend.supports_cuda_graphs:
+            raise ValueError(f"the {self.backend.name} attention backend does not support CUDA graphs")
+        is_cuda = self.device.type == "cuda"
+        if not is_cuda and not allow_cpu:
+            raise ValueError(
+                f"CUDA graphs need a CUDA device, got {self.device} (allow_cpu runs them uncaptured)"
+            )
+        if self._decode_graphs is None:
+            self._decode_graphs = DecodeCudaGraphs(
+                self._forward,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.max_num_seqs,
+                padding_block_id=self.padding_block_id,
+                device=self.device,
+                capture=is_cuda,
+            )
+        self._is_cuda_graphs_enabled = True
+        return self._decode_graphs
+
+    def disable_cuda_graphs(self) -> None:
+        """Run every step eagerly. Captured graphs are kept: enable_cuda_graphs() reuses them."""
+        self._is_cuda_graphs_enabled = False
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
         # Decodes (one query token) first: the attention backend runs them as one batch.
@@ -108,10 +264,11 @@ class ModelRunner:
         if plan.is_empty:
             return {}
         inputs = self.prepare_inputs(plan)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs):
-            hidden = self.cuda_graphs.run(inputs)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(inputs):
+            hidden = graphs.run(inputs)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -87,10 +87,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from qworker_kernels.cpu_paged_attention import paged_decode_attention_torch
 
+from qworker.utils import cdiv
+
 
 @dataclass
 class AttentionMetadata:
@@ -35,13 +37,12 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
-
 
 class AttentionBackend(Protocol):
     name: str
+    # True when a decode step through it can be captured in a CUDA graph: static shapes, no host
+    # syncs, and no reads of the metadata's host lists.
+    supports_cuda_graphs: bool
 
     def forward(
         self,
@@ -74,6 +75,8 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    # Prefill reads the host lists and decodes may take the CPU kernel: not capturable.
+    supports_cuda_graphs = False
 
     def __init__(self) -> None:
         self._decode_kernel = _load_cpu_decode_kernel()
@@ -114,7 +117,7 @@ class TorchAttentionBackend:
                 seq_k, seq_v = k[token_start:token_end], v[token_start:token_end]
             else:
                 block_ids = torch.tensor(meta.block_ids_list[seq_index], device=q.device)
-                num_blocks = -(-seq_len // block_size)
+                num_blocks = cdiv(seq_len, block_size)
                 seq_k = k_cache[block_ids[:num_blocks]].view(-1, num_kv_heads, head_dim)[:seq_len]
                 seq_v = v_cache[block_ids[:num_blocks]].view(-1, num_kv_heads, head_dim)[:seq_len]
             out[token_start:token_end] = _prefill_attention(seq_q, seq_k, seq_v, scale)

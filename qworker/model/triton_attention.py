@@ -16,7 +16,7 @@ from qworker.model.attention import AttentionMetadata
 
 class TritonAttentionBackend:
     name = "triton"
-    # Static shapes and no host syncs: the engine may capture decode steps in CUDA graphs.
+    # Static shapes and no host syncs: the runner may capture decode steps in CUDA graphs.
     supports_cuda_graphs = True
 
     def __init__(self, device: torch.device | None = None) -> None:

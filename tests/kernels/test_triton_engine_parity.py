@@ -17,7 +17,6 @@ import random
 
 import pytest
 
-from qworker.engine.cuda_graphs import DecodeCudaGraphs
 from qworker.engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy, run_to_completion, tiny_engine, tiny_hf_model
 
@@ -75,7 +74,7 @@ def torch_tokens(model) -> list[list[int]]:
 def test_triton_backend_matches_torch(model, torch_tokens, engine_args) -> None:
     triton_engine = engine(model, "triton", **engine_args)
     assert triton_engine.attention_backend_name == "triton"
-    assert triton_engine.model.ops.name == "triton"
+    assert triton_engine.runner.model.ops.name == "triton"
     assert generate(triton_engine) == torch_tokens
 
 
@@ -89,23 +88,15 @@ def test_triton_backend_with_preemption(model, torch_tokens) -> None:
 def test_padded_decode_graph_batches(model, torch_tokens, monkeypatch) -> None:
     """Pure-decode steps through DecodeCudaGraphs: 4 sequences in the graph of 4, then 3 of them
     padded to 4 once the first finishes. On CUDA the engine captures real graphs; on the CPU the
-    same static, padded buffers run eagerly (capture=False)."""
+    same static, padded buffers run eagerly (enable_cuda_graphs(allow_cpu=True))."""
     triton_engine = engine(model, "triton", max_num_seqs=4)
-    graphs = triton_engine.runner.cuda_graphs
+    runner = triton_engine.runner
     if DEVICE == "cpu":
-        assert graphs is None, "CUDA graphs must stay off on the CPU"
-        graphs = DecodeCudaGraphs(
-            triton_engine.model,
-            triton_engine.runner.kv_caches,
-            triton_engine.runner.backend,
-            block_size=triton_engine.config.block_size,
-            max_model_len=triton_engine.max_model_len,
-            max_num_seqs=triton_engine.config.max_num_seqs,
-            padding_block_id=triton_engine.padding_block_id,
-            device=triton_engine.device,
-            capture=False,
-        )
-        triton_engine.runner.cuda_graphs = graphs
+        assert runner.cuda_graphs is None, "CUDA graphs must stay off on the CPU"
+        with pytest.raises(ValueError, match="CUDA device"):
+            runner.enable_cuda_graphs()
+        runner.enable_cuda_graphs(allow_cpu=True)
+    graphs = runner.cuda_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
     padded_batches: list[tuple[int, int]] = []
     run = graphs.run
@@ -132,13 +123,31 @@ def test_padded_decode_graph_batches(model, torch_tokens, monkeypatch) -> None:
     assert (4, 4) in padded_batches and (3, 4) in padded_batches, padded_batches
 
 
+def test_cuda_graphs_switch_off_and_back_on(model, torch_tokens) -> None:
+    """disable_cuda_graphs() makes every step eager; enable_cuda_graphs() brings back the same
+    graphs (nothing captured twice). The torch backend has no graphs to enable."""
+    triton_engine = engine(model, "triton", max_num_seqs=4)
+    runner = triton_engine.runner
+    graphs = runner.enable_cuda_graphs(allow_cpu=True)
+    runner.disable_cuda_graphs()
+    assert runner.cuda_graphs is None
+    assert generate(triton_engine) == torch_tokens
+    assert graphs.num_runs == 0
+    assert runner.enable_cuda_graphs(allow_cpu=True) is graphs
+    assert runner.cuda_graphs is graphs
+    assert generate(triton_engine) == torch_tokens
+    assert graphs.num_runs > 0
+    with pytest.raises(ValueError, match="does not support CUDA graphs"):
+        engine(model, "torch").runner.enable_cuda_graphs(allow_cpu=True)
+
+
 @pytest.mark.parametrize("forced,requested", [("triton", "torch"), ("torch", "triton"), ("triton", "auto")])
 def test_env_var_forces_the_backend(model, monkeypatch, forced: str, requested: str) -> None:
     monkeypatch.setenv("QWORKER_ATTENTION_BACKEND", forced)
     forced_engine = engine(model, requested)
     assert forced_engine.attention_backend_name == forced
     assert forced_engine.runner.backend.name == forced
-    assert forced_engine.model.ops.name == forced
+    assert forced_engine.runner.model.ops.name == forced
 
 
 def test_auto_picks_by_device(model, monkeypatch) -> None:

@@ -162,8 +162,8 @@ def test_eos_stops_unless_ignored(tiny_llama) -> None:
     engine.eos_token_ids = {eos}
     logits_bias = torch.zeros(256)
     logits_bias[eos] = 1e4
-    original = engine.model.compute_logits
-    engine.model.compute_logits = lambda h: original(h) + logits_bias  # type: ignore[method-assign]
+    original = engine.runner.model.compute_logits
+    engine.runner.model.compute_logits = lambda h: original(h) + logits_bias  # type: ignore[method-assign]
     engine.add_request("stop", [5, 6], SamplingParams(max_tokens=6, temperature=0))
     engine.add_request("min", [5, 6], SamplingParams(max_tokens=6, min_tokens=3, temperature=0))
     engine.add_request("ignore", [5, 6], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -239,3 +239,30 @@ def test_prompt_larger_than_the_kv_pool_is_rejected(tiny_llama) -> None:
 def test_bad_sampling_params(params, match) -> None:
     with pytest.raises(InvalidParamsError, match=match):
         SamplingParams(**params)
+
+
+def test_runner_sizes_the_kv_pool_from_memory(tiny_llama) -> None:
+    # A block holds k and v for 2 layers x 4 slots x 2 KV heads x head_dim 16, fp32: 2048 bytes.
+    engine = tiny_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory_gb=100 * 2048 / 2**30)
+    assert engine.num_kv_blocks == engine.kv_stats().num_total_blocks == 100
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    # One block past the pool: the padding block of CUDA-graph decode batches.
+    assert k_cache.shape == v_cache.shape == (101, 4, 2, 16)
+    assert engine.runner.padding_block_id == 100
+    # Never more than every sequence at full length needs: 2 x 512 / 4 blocks.
+    capped = tiny_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory_gb=1.0, max_num_seqs=2)
+    assert capped.num_kv_blocks == 256
+
+
+def test_runner_owns_device_and_dtype(tiny_llama) -> None:
+    engine = tiny_engine(tiny_llama)
+    runner = engine.runner
+    assert (
+        (engine.device, engine.dtype) == (runner.device, runner.dtype) == (torch.device("cpu"), torch.float32)
+    )
+    assert next(runner.model.parameters()).dtype == torch.float32
+    assert runner.cuda_graphs is None
+    with pytest.raises(ValueError, match="does not support CUDA graphs"):
+        runner.enable_cuda_graphs(allow_cpu=True)
+    runner.disable_cuda_graphs()
+    assert runner.cuda_graphs is None
