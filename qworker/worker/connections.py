@@ -1,8 +1,8 @@
-"""Queue and result-store URLs: parse them and open the matching source or sink.
+"""Queue and result-store URLs: parse them and open the matching source, producer or sink.
 
     redis://host:port/db?stream=...&group=...&lease_timeout_s=...      job source
     redis://host:port/db?prefix=...&result_ttl_s=...&delta_ttl_s=...   result sink
-    unix:///path/redis.socket?...                                       same, over a unix socket
+    rediss://..., unix:///path/redis.socket?...                         same, over TLS or a unix socket
     (none)                                                              the embedded Redis server
 
     sqs://QUEUE?region=...&endpoint_url=...&dead_letter=...&lease_timeout_s=...&payload_s3=s3://b/p
@@ -11,28 +11,88 @@
     celery+redis://host:port/db?queue=qworker&lease_timeout_s=...        job source (Celery messages)
                                                                         and, as results, Celery's
                                                                         Redis result backend
+    memory://NAME                                                       both, in this process only
+
+Which module opens which scheme is a table (QUEUE_BACKENDS, RESULT_BACKENDS), as in kombu's
+TRANSPORT_ALIASES: a queue backend module has `open_source(url, consumer, lease_timeout_s)` and
+`open_producer(url, payload_location)`, a results backend module has `open_sink(url)`. Adding a
+backend is one module and one line here; error messages and help text read the table.
 
 Final results and the live token stream may go to different stores: open_sink(results,
 stream_results) (see sinks/split.py). AWS credentials come from boto3's standard chain.
 
 Credentials and TLS: redis://user:password@host:port/db (or redis://:password@...) authenticates;
 rediss://... connects over TLS, with redis-py's ssl_* query parameters passed through, e.g.
-rediss://:pw@host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem or ?ssl_cert_reqs=none. Whatever is logged or
-shown goes through redact_url first.
+rediss://:pw@host:6380/0?ssl_ca_certs=/etc/ssl/ca.pem or ?ssl_cert_reqs=none. A query parameter
+that neither qworker nor the client library takes is an InvalidURLError that lists the accepted
+ones. Whatever is logged or shown goes through redact_url first.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from qworker.errors import QworkerError
-from qworker.worker import constants
 from qworker.worker.sinks.base import ResultSink
 from qworker.worker.sources.base import JobProducer, JobSource
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+# URL scheme -> the module that opens it, imported on first use.
+QUEUE_BACKENDS: dict[str, str] = {
+    "redis": "qworker.worker.sources.redis_streams",
+    "rediss": "qworker.worker.sources.redis_streams",
+    "unix": "qworker.worker.sources.redis_streams",
+    "sqs": "qworker.worker.sources.sqs",
+    "celery+redis": "qworker.worker.sources.celery",
+    "celery+rediss": "qworker.worker.sources.celery",
+    "memory": "qworker.worker.sources.memory",
+}
+RESULT_BACKENDS: dict[str, str] = {
+    "redis": "qworker.worker.sinks.redis",
+    "rediss": "qworker.worker.sinks.redis",
+    "unix": "qworker.worker.sinks.redis",
+    "s3": "qworker.worker.sinks.s3",
+    "celery+redis": "qworker.worker.sinks.celery",
+    "celery+rediss": "qworker.worker.sinks.celery",
+    "memory": "qworker.worker.sinks.memory",
+}
+
+# qworker's own query parameters, per backend. A Redis URL may serve as queue and results at
+# once, so both sets are accepted on either side.
+SOURCE_PARAMS = {"stream", "group", "dead_letter", "lease_timeout_s"}
+SINK_PARAMS = {"prefix", "result_ttl_s", "delta_ttl_s", "delta_maxlen"}
+AWS_PARAMS = {"region", "endpoint_url", "dead_letter", "lease_timeout_s", "payload_s3", "conditional_put"}
+CELERY_PARAMS = {"queue", "dead_letter", "lease_timeout_s", "result_ttl_s", "prefix"}
+
+# redis-py connection arguments that make sense as URL text. from_url passes any query value it
+# does not know as a string, so a flag such as decode_responses=false would arrive as the true
+# string "false"; only the arguments it parses itself (URL_QUERY_ARGUMENT_PARSERS) and these
+# text ones are accepted.
+_REDIS_TEXT_PARAMS = {
+    "client_name",
+    "username",
+    "password",
+    "encoding",
+    "encoding_errors",
+    "lib_name",
+    "lib_version",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_ca_data",
+    "ssl_cert_reqs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_ciphers",
+    "ssl_password",
+}
+# What kombu takes from a broker URL's query without a TypeError: its ssl_* options.
+KOMBU_PARAMS = {"ssl_*"}
 
 
 class InvalidURLError(QworkerError, ValueError):
@@ -46,6 +106,86 @@ class ParsedURL:
     connection_url: str
     params: dict[str, str]
 
+
+# -- the backend table -----------------------------------------------------------------------
+
+
+def queue_schemes() -> tuple[str, ...]:
+    """URL schemes a job queue can use, e.g. for help text."""
+    return tuple(QUEUE_BACKENDS)
+
+
+def result_schemes() -> tuple[str, ...]:
+    """URL schemes a result store can use."""
+    return tuple(RESULT_BACKENDS)
+
+
+def schemes_text(schemes: Iterable[str]) -> str:
+    """'redis://, sqs:// or memory://'."""
+    names = [f"{scheme}://" for scheme in schemes]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
+def _backend(table: dict[str, str], role: str, url: str) -> ModuleType:
+    scheme = urlsplit(url).scheme
+    if not scheme:
+        raise InvalidURLError(f"{role} URL {redact_url(url)!r} has no scheme; use {schemes_text(table)}")
+    module_path = table.get(scheme)
+    if module_path is None:
+        raise InvalidURLError(
+            f"unsupported {role} URL scheme {scheme!r} in {redact_url(url)!r}; use {schemes_text(table)}"
+        )
+    return importlib.import_module(module_path)
+
+
+def open_source(url: str | None, consumer: str, lease_timeout_s: float | None = None) -> JobSource:
+    """The job source at `url` (none: the embedded Redis), read as `consumer`. `lease_timeout_s`
+    overrides the URL's."""
+    url = resolve_url(url)
+    source: JobSource = _backend(QUEUE_BACKENDS, "queue", url).open_source(url, consumer, lease_timeout_s)
+    return source
+
+
+def open_producer(url: str | None, payload_location: str | None = None) -> JobProducer:
+    """The sending side of a queue URL. `payload_location` (s3://bucket/prefix) is where an SQS
+    producer puts jobs too large for a message, unless the URL's `payload_s3` says otherwise."""
+    url = resolve_url(url)
+    producer: JobProducer = _backend(QUEUE_BACKENDS, "queue", url).open_producer(url, payload_location)
+    return producer
+
+
+def open_sink(url: str | None, stream_url: str | None = None) -> ResultSink:
+    """The result store at `url`; with `stream_url`, live deltas and cancel flags go there instead
+    ("stream to X, final to Y")."""
+    if stream_url:
+        from qworker.worker.sinks.split import SplitSink
+
+        return SplitSink(final=open_sink(url), stream=open_sink(stream_url))
+    url = resolve_url(url)
+    sink: ResultSink = _backend(RESULT_BACKENDS, "results", url).open_sink(url)
+    return sink
+
+
+def default_results_url(queue_url: str) -> str:
+    """The results store when none is given: the queue's own server, when it can store results."""
+    scheme = urlsplit(queue_url).scheme
+    if scheme not in RESULT_BACKENDS:
+        raise InvalidURLError(
+            f"a {scheme}:// queue needs a results URL ({schemes_text(RESULT_BACKENDS)}); pass --results"
+        )
+    return queue_url
+
+
+def resolve_url(url: str | None) -> str:
+    """`url`, or the embedded Redis server's URL when none is given."""
+    if url:
+        return url
+    from qworker.worker.embedded import embedded_redis_url
+
+    return embedded_redis_url()
+
+
+# -- parsing ---------------------------------------------------------------------------------
 
 _SECRET_QUERY = re.compile(r"([?&][^=&#]*(?:password|passwd|secret|token)[^=&#]*=)[^&#]*", re.IGNORECASE)
 
@@ -66,6 +206,7 @@ def redact_url(url: str | None) -> str:
 
 
 def parse_url(url: str, known_params: set[str]) -> ParsedURL:
+    """Split qworker's own query parameters (`known_params`) from the rest."""
     parts = urlsplit(url)
     if not parts.scheme:
         raise InvalidURLError(f"URL {redact_url(url)!r} has no scheme; use redis://host:port/db?stream=...")
@@ -78,16 +219,30 @@ def parse_url(url: str, known_params: set[str]) -> ParsedURL:
     return ParsedURL(parts.scheme, connection_url, params)
 
 
-def resolve_url(url: str | None) -> str:
-    """`url`, or the embedded Redis server's URL when none is given."""
-    if url:
-        return url
-    from qworker.worker.embedded import embedded_redis_url
-
-    return embedded_redis_url()
+def _is_accepted(name: str, accepted: set[str]) -> bool:
+    return name in accepted or any(p.endswith("*") and name.startswith(p[:-1]) for p in accepted)
 
 
-def _number(params: dict[str, str], name: str, default: float) -> float:
+def reject_unknown_params(
+    url: str, names: Iterable[str], own: set[str], library: tuple[str, set[str]] | None = None
+) -> None:
+    """Raise InvalidURLError naming each query parameter in `names` that is neither one of
+    qworker's (`own`) nor one the client library takes (`library`: its name and parameters;
+    a name ending in * is a prefix)."""
+    library_params = library[1] if library is not None else set()
+    unknown = [n for n in dict.fromkeys(names) if n not in own and not _is_accepted(n, library_params)]
+    if not unknown:
+        return
+    accepted = f"qworker's: {', '.join(sorted(own)) or '(none)'}"
+    if library is not None:
+        accepted += f"; {library[0]}'s: {', '.join(sorted(library_params))}"
+    raise InvalidURLError(
+        f"unknown URL parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+        f"in {redact_url(url)!r}. Accepted ({accepted})"
+    )
+
+
+def url_number(params: dict[str, str], name: str, default: float) -> float:
     if name not in params:
         return default
     try:
@@ -96,35 +251,81 @@ def _number(params: dict[str, str], name: str, default: float) -> float:
         raise InvalidURLError(f"URL parameter {name}={params[name]!r} is not a number") from None
 
 
-def redis_client(connection_url: str):  # -> redis.Redis
+def url_flag(params: dict[str, str], name: str, default: bool) -> bool:
+    value = params.get(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise InvalidURLError(f"URL parameter {name}={value!r} is not a boolean")
+
+
+# -- Redis and Celery ------------------------------------------------------------------------
+
+
+def _init_params(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names.update(
+                p.name
+                for p in inspect.signature(init).parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+            )
+    return names
+
+
+def redis_url_params(scheme: str) -> set[str]:
+    """The query parameters redis-py's from_url takes for `scheme` (redis, rediss or unix) and
+    passes on without error, as far as they make sense as text."""
+    import redis.connection as rc
+
+    connection_class = {"rediss": rc.SSLConnection, "unix": rc.UnixDomainSocketConnection}.get(
+        scheme, rc.Connection
+    )
+    takes = _init_params(connection_class) | _init_params(rc.ConnectionPool)
+    return (set(rc.URL_QUERY_ARGUMENT_PARSERS) | _REDIS_TEXT_PARAMS) & takes
+
+
+def parse_redis_url(url: str, own_params: set[str]) -> ParsedURL:
+    """parse_url for a URL that redis-py connects to (redis://, rediss://, unix://, and the
+    celery+ forms): any other query parameter must be one redis-py takes, else InvalidURLError
+    (redis-py itself would raise a TypeError at the first command)."""
+    parsed = parse_url(url, own_params)
+    names = [k for k, _ in parse_qsl(urlsplit(parsed.connection_url).query, keep_blank_values=True)]
+    scheme = parsed.scheme.removeprefix("celery+")
+    reject_unknown_params(url, names, own_params, ("redis-py", redis_url_params(scheme)))
+    return parsed
+
+
+def redis_client(connection_url: str) -> Any:  # a redis.Redis
     import redis
 
     return redis.Redis.from_url(connection_url, health_check_interval=30)
 
 
-SOURCE_PARAMS = {"stream", "group", "dead_letter", "lease_timeout_s"}
-SINK_PARAMS = {"prefix", "result_ttl_s", "delta_ttl_s", "delta_maxlen"}
-AWS_PARAMS = {"region", "endpoint_url", "dead_letter", "lease_timeout_s", "payload_s3", "conditional_put"}
-CELERY_PARAMS = {"queue", "dead_letter", "lease_timeout_s", "result_ttl_s", "prefix"}
-CELERY_SCHEME = "celery+redis"
-CELERY_TLS_SCHEME = "celery+rediss"
+def celery_broker_url(connection_url: str) -> str:
+    """celery+redis://... -> redis://... (what kombu and redis-py connect to)."""
+    return connection_url.removeprefix("celery+")
 
 
-def _aws_parts(url: str) -> tuple[str, str, dict[str, str]]:
+# -- AWS -------------------------------------------------------------------------------------
+
+
+def aws_parts(url: str) -> tuple[str, str, dict[str, str]]:
     """(netloc, path, params) of an sqs:// or s3:// URL; unknown parameters are an error."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    unknown = set(query) - AWS_PARAMS
-    if unknown:
-        raise InvalidURLError(
-            f"unknown parameters {sorted(unknown)} in {redact_url(url)!r}; known: {sorted(AWS_PARAMS)}"
-        )
+    reject_unknown_params(url, query, AWS_PARAMS)
     if not parts.netloc:
         raise InvalidURLError(f"URL {redact_url(url)!r} names no queue or bucket")
     return parts.netloc, parts.path, query
 
 
-def aws_client(service: str, params: dict[str, str]):  # -> a boto3 client
+def aws_client(service: str, params: dict[str, str]) -> Any:  # a boto3 client
     """A boto3 client. Credentials come from boto3's standard chain (environment, profile, instance
     role); only the region and endpoint come from the URL."""
     import boto3
@@ -138,161 +339,10 @@ def aws_client(service: str, params: dict[str, str]):  # -> a boto3 client
     )
 
 
-def _is_true(params: dict[str, str], name: str, default: bool) -> bool:
-    value = params.get(name)
-    if value is None:
-        return default
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise InvalidURLError(f"URL parameter {name}={value!r} is not a boolean")
-
-
 def s3_location_of_results(url: str) -> str | None:
     """Where a client puts large job payloads by default: under the results prefix of an s3:// URL."""
     if not url.startswith("s3://"):
         return None
-    bucket, path, _ = _aws_parts(url)
+    bucket, path, _ = aws_parts(url)
     prefix = path.strip("/")
     return f"s3://{bucket}/{prefix + '/' if prefix else ''}_payloads"
-
-
-def default_results_url(queue_url: str) -> str:
-    """The results store when none is given: the queue's own server."""
-    scheme = urlsplit(queue_url).scheme
-    if scheme == "sqs":
-        raise InvalidURLError(
-            "an sqs:// queue needs a results URL (s3://bucket/prefix or redis://...); pass --results"
-        )
-    return queue_url
-
-
-def open_source(url: str | None, consumer: str, lease_timeout_s: float | None = None) -> JobSource:
-    url = resolve_url(url)
-    scheme = urlsplit(url).scheme
-    if scheme == "sqs":
-        from qworker.worker.sources.sqs import SqsSource
-
-        queue, _, params = _aws_parts(url)
-        return SqsSource(
-            aws_client("sqs", params),
-            queue=queue,
-            s3=aws_client("s3", params),
-            dead_letter_queue=params.get("dead_letter"),
-            lease_timeout_s=lease_timeout_s or (_number(params, "lease_timeout_s", 0) or None),
-        )
-    if scheme in (CELERY_SCHEME, CELERY_TLS_SCHEME):
-        from qworker.worker.sources.celery import open_celery_source
-
-        parsed = parse_url(url, CELERY_PARAMS)
-        return open_celery_source(
-            _celery_broker_url(parsed.connection_url),
-            parsed.params,
-            consumer=consumer,
-            lease_timeout_s=lease_timeout_s or _number(parsed.params, "lease_timeout_s", 30.0),
-        )
-    parsed = parse_url(url, SOURCE_PARAMS | SINK_PARAMS)
-    if parsed.scheme in REDIS_SCHEMES:
-        from qworker.worker.sources.redis_streams import RedisStreamSource
-
-        stream = parsed.params.get("stream", constants.DEFAULT_STREAM)
-        return RedisStreamSource(
-            redis_client(parsed.connection_url),
-            stream=stream,
-            group=parsed.params.get("group", constants.DEFAULT_GROUP),
-            consumer=consumer,
-            dead_letter_stream=parsed.params.get("dead_letter", constants.dead_letter_stream(stream)),
-            lease_timeout_s=lease_timeout_s or _number(parsed.params, "lease_timeout_s", 30.0),
-        )
-    raise InvalidURLError(
-        f"unsupported queue URL scheme {parsed.scheme!r} in {redact_url(url)!r}; "
-        "use redis://, unix://, sqs:// or celery+redis://"
-    )
-
-
-def _celery_broker_url(connection_url: str) -> str:
-    """celery+redis://... -> redis://... (what kombu and redis-py connect to)."""
-    return connection_url.removeprefix("celery+")
-
-
-def open_producer(url: str | None, payload_location: str | None = None) -> JobProducer:
-    """The sending side of a queue URL. `payload_location` (s3://bucket/prefix) is where an SQS
-    producer puts jobs too large for a message, unless the URL's `payload_s3` says otherwise."""
-    url = resolve_url(url)
-    scheme = urlsplit(url).scheme
-    if scheme == "sqs":
-        from qworker.worker.sources.sqs import SqsProducer
-
-        queue, _, params = _aws_parts(url)
-        return SqsProducer(
-            aws_client("sqs", params),
-            queue=queue,
-            s3=aws_client("s3", params),
-            payload_location=params.get("payload_s3") or payload_location,
-        )
-    if scheme in (CELERY_SCHEME, CELERY_TLS_SCHEME):
-        from qworker.worker.sources.celery import CeleryProducer
-
-        parsed = parse_url(url, CELERY_PARAMS)
-        return CeleryProducer(
-            _celery_broker_url(parsed.connection_url), queue=parsed.params.get("queue", "qworker")
-        )
-    parsed = parse_url(url, SOURCE_PARAMS | SINK_PARAMS)
-    if parsed.scheme in REDIS_SCHEMES:
-        from qworker.worker.sources.redis_streams import RedisStreamProducer
-
-        return RedisStreamProducer(
-            redis_client(parsed.connection_url),
-            stream=parsed.params.get("stream", constants.DEFAULT_STREAM),
-            group=parsed.params.get("group", constants.DEFAULT_GROUP),
-        )
-    raise InvalidURLError(
-        f"unsupported queue URL scheme {parsed.scheme!r} in {redact_url(url)!r}; "
-        "use redis://, unix://, sqs:// or celery+redis://"
-    )
-
-
-def open_sink(url: str | None, stream_url: str | None = None) -> ResultSink:
-    """The result store at `url`; with `stream_url`, live deltas and cancel flags go there instead
-    ("stream to X, final to Y")."""
-    if stream_url:
-        from qworker.worker.sinks.split import SplitSink
-
-        return SplitSink(final=open_sink(url), stream=open_sink(stream_url))
-    url = resolve_url(url)
-    scheme = urlsplit(url).scheme
-    if scheme == "s3":
-        from qworker.worker.sinks.s3 import S3ResultSink
-
-        bucket, path, params = _aws_parts(url)
-        return S3ResultSink(
-            aws_client("s3", params),
-            bucket=bucket,
-            prefix=path,
-            is_conditional_put=_is_true(params, "conditional_put", True),
-        )
-    if scheme in (CELERY_SCHEME, CELERY_TLS_SCHEME):
-        from qworker.worker.sinks.celery import CeleryResultSink
-
-        parsed = parse_url(url, CELERY_PARAMS)
-        return CeleryResultSink(
-            redis_client(_celery_broker_url(parsed.connection_url)),
-            result_ttl_s=int(_number(parsed.params, "result_ttl_s", constants.DEFAULT_RESULT_TTL_S)),
-            prefix=parsed.params.get("prefix", constants.DEFAULT_RESULT_PREFIX),
-        )
-    parsed = parse_url(url, SOURCE_PARAMS | SINK_PARAMS)
-    if parsed.scheme in REDIS_SCHEMES:
-        from qworker.worker.sinks.redis import RedisResultSink
-
-        return RedisResultSink(
-            redis_client(parsed.connection_url),
-            prefix=parsed.params.get("prefix", constants.DEFAULT_RESULT_PREFIX),
-            result_ttl_s=int(_number(parsed.params, "result_ttl_s", constants.DEFAULT_RESULT_TTL_S)),
-            delta_ttl_s=int(_number(parsed.params, "delta_ttl_s", constants.DEFAULT_DELTA_TTL_S)),
-            delta_maxlen=int(_number(parsed.params, "delta_maxlen", constants.DEFAULT_DELTA_MAXLEN)),
-        )
-    raise InvalidURLError(
-        f"unsupported results URL scheme {parsed.scheme!r} in {redact_url(url)!r}; "
-        "use redis://, unix://, s3:// or celery+redis://"
-    )

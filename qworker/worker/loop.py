@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from qworker.engine.outputs import RequestOutput, StepOutput
+from qworker.engine.outputs import RequestOutput
 from qworker.errors import InvalidRequestError
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats, HeldJobSize
+from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.jobs import (
     Job,
     JobDecodeError,
@@ -47,7 +48,6 @@ class _HeldJob:
     job: Job
     lease: Lease
     num_prompt_tokens: int
-    leased_at: float
     deadline: float | None
     num_output_tokens: int = 0
     # The same job id delivered again while it runs (a producer's duplicate): acked with it.
@@ -73,7 +73,11 @@ class Worker:
     """Serves jobs from `source` with `engine`, writing to `sink`. Call run(); stop() drains."""
 
     def __init__(
-        self, engine: Any, source: JobSource, sink: ResultSink, settings: WorkerSettings | None = None
+        self,
+        engine: EngineProtocol,
+        source: JobSource,
+        sink: ResultSink,
+        settings: WorkerSettings | None = None,
     ) -> None:
         self.engine = engine
         self.source = source
@@ -126,8 +130,8 @@ class Worker:
     def run(self, burst: bool = False) -> WorkerStats:
         """Serve until stop() (then drain) or, with burst=True, until the queue has nothing left."""
         logger.info("worker %s started", self.name)
-        device = getattr(self.engine, "device", None)
-        if threading.current_thread() is not threading.main_thread() and getattr(device, "type", "") == "cpu":
+        is_main_thread = threading.current_thread() is threading.main_thread()
+        if not is_main_thread and self.engine.device.type == "cpu":
             logger.warning(
                 "worker %s runs the engine off the main thread: torch's CPU thread pool runs the same "
                 "matmuls 1.3-1.7x slower there; run the worker on the main thread and the rest in threads",
@@ -236,7 +240,7 @@ class Worker:
         num_prompt_tokens = len(prompt["prompt_token_ids"])
         self.admission.observe_prompt(num_prompt_tokens)
         deadline = now + job.timeout_s if job.timeout_s is not None else None
-        self._held[job_id] = _HeldJob(job, lease, num_prompt_tokens, now, deadline)
+        self._held[job_id] = _HeldJob(job, lease, num_prompt_tokens, deadline)
 
     def _prompt(self, job: Job) -> dict[str, Any]:
         """The job's prompt as token ids (so that admission knows its size before the engine does)."""
@@ -256,7 +260,7 @@ class Worker:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        step_outputs: list[StepOutput] = self.engine.step()
+        step_outputs = self.engine.step()
         self.stats.num_steps += 1
         deltas = []
         finished = []

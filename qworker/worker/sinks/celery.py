@@ -19,6 +19,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from qworker.worker import constants
+from qworker.worker.connections import (
+    CELERY_PARAMS,
+    celery_broker_url,
+    parse_redis_url,
+    redis_client,
+    url_number,
+)
 from qworker.worker.jobs import JobResult, JobStatus
 from qworker.worker.sinks.redis import RedisResultSink
 
@@ -85,3 +92,12 @@ class CeleryResultSink(RedisResultSink):
         if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
             return JobResult.model_validate(meta["result"])
         return None  # a state another writer left (PENDING/STARTED from a Celery worker)
+
+
+def open_sink(url: str) -> CeleryResultSink:
+    parsed = parse_redis_url(url, CELERY_PARAMS)
+    return CeleryResultSink(
+        redis_client(celery_broker_url(parsed.connection_url)),
+        result_ttl_s=int(url_number(parsed.params, "result_ttl_s", constants.DEFAULT_RESULT_TTL_S)),
+        prefix=parsed.params.get("prefix", constants.DEFAULT_RESULT_PREFIX),
+    )

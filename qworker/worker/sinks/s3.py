@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from qworker.worker.connections import aws_client, aws_parts, url_flag
 from qworker.worker.jobs import JobResult
 from qworker.worker.sinks.base import Delta, ResultSink, wait_for_result
 
@@ -117,3 +118,13 @@ class S3ResultSink(ResultSink):
 
     def close(self) -> None:
         self.s3.close()
+
+
+def open_sink(url: str) -> S3ResultSink:
+    bucket, path, params = aws_parts(url)
+    return S3ResultSink(
+        aws_client("s3", params),
+        bucket=bucket,
+        prefix=path,
+        is_conditional_put=url_flag(params, "conditional_put", True),
+    )

@@ -32,8 +32,18 @@ import json
 import logging
 import time
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
+from qworker.worker.connections import (
+    CELERY_PARAMS,
+    KOMBU_PARAMS,
+    celery_broker_url,
+    parse_url,
+    reject_unknown_params,
+    url_number,
+)
 from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
+from qworker.worker.text import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +68,6 @@ return lost
 """
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def transport_options(queue: str, lease_timeout_s: float) -> dict[str, Any]:
     return {
         "visibility_timeout": lease_timeout_s,
@@ -69,18 +75,6 @@ def transport_options(queue: str, lease_timeout_s: float) -> dict[str, Any]:
         "unacked_index_key": f"{queue}.unacked_index",
         "unacked_mutex_key": f"{queue}.unacked_mutex",
     }
-
-
-def open_celery_source(
-    broker_url: str, params: dict[str, str], consumer: str, lease_timeout_s: float
-) -> CelerySource:
-    return CelerySource(
-        broker_url,
-        queue=params.get("queue", "qworker"),
-        consumer=consumer,
-        lease_timeout_s=lease_timeout_s,
-        dead_letter=params.get("dead_letter"),
-    )
 
 
 class CelerySource(JobSource):
@@ -163,7 +157,7 @@ class CelerySource(JobSource):
             raw = {**raw, "headers": headers}
         message = self.channel.Message(raw, channel=self.channel)
         self.channel.qos.append(message, message.delivery_tag)
-        tag = _text(message.delivery_tag)
+        tag = as_text(message.delivery_tag)
         self._messages[tag] = message
         task_id = headers.get("id")
         task_id = task_id if isinstance(task_id, str) and task_id else None
@@ -217,7 +211,7 @@ class CelerySource(JobSource):
             keys=[options["unacked_key"], options["unacked_index_key"]],
             args=[time.time(), *[le.handle for le in leases]],
         )
-        lost_tags = {_text(x) for x in lost}
+        lost_tags = {as_text(x) for x in lost}
         return [le for le in leases if le.handle in lost_tags]
 
     def _forget(self, lease: Lease) -> None:
@@ -305,3 +299,27 @@ class CeleryProducer(JobProducer):
 
     def close(self) -> None:
         self.connection.release()
+
+
+def _parse(url: str) -> tuple[str, dict[str, str]]:
+    """(broker URL for kombu, qworker's parameters) of a celery+redis:// URL."""
+    parsed = parse_url(url, CELERY_PARAMS)
+    names = [k for k, _ in parse_qsl(urlsplit(parsed.connection_url).query, keep_blank_values=True)]
+    reject_unknown_params(url, names, CELERY_PARAMS, ("kombu", KOMBU_PARAMS))
+    return celery_broker_url(parsed.connection_url), parsed.params
+
+
+def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> CelerySource:
+    broker_url, params = _parse(url)
+    return CelerySource(
+        broker_url,
+        queue=params.get("queue", "qworker"),
+        consumer=consumer,
+        lease_timeout_s=lease_timeout_s or url_number(params, "lease_timeout_s", 30.0),
+        dead_letter=params.get("dead_letter"),
+    )
+
+
+def open_producer(url: str, payload_location: str | None) -> CeleryProducer:
+    broker_url, params = _parse(url)
+    return CeleryProducer(broker_url, queue=params.get("queue", "qworker"))

@@ -13,7 +13,9 @@ import time
 from typing import Any
 
 from qworker.worker import constants
+from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_redis_url, redis_client, url_number
 from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
+from qworker.worker.text import as_text
 
 # Extend or release only the entries this consumer still owns: after a stall past the lease,
 # a peer may have claimed one, and a blind XCLAIM would steal it back.
@@ -36,10 +38,6 @@ return lost
 DEAD_LETTER_MAXLEN = 100_000
 # A released entry looks idle for this long: well past any lease, so the next reclaim takes it.
 RELEASED_IDLE_MS = 10 * 365 * 24 * 3600 * 1000
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class RedisStreamSource(JobSource):
@@ -103,7 +101,7 @@ class RedisStreamSource(JobSource):
             self.stream, self.group, self.consumer, min_idle_ms, start_id=self._reclaim_cursor, count=count
         )
         cursor, entries = reply[0], reply[1]
-        self._reclaim_cursor = _text(cursor)
+        self._reclaim_cursor = as_text(cursor)
         entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
         if not entries:
             return []
@@ -120,7 +118,7 @@ class RedisStreamSource(JobSource):
         ]
 
     def _make_lease(self, entry_id: Any, fields: dict[Any, Any], delivery_count: int) -> Lease:
-        message_id = _text(entry_id)
+        message_id = as_text(entry_id)
         body = fields.get(constants.FIELD_BODY.encode(), fields.get(constants.FIELD_BODY, b""))
         job_id = fields.get(constants.FIELD_JOB_ID.encode(), fields.get(constants.FIELD_JOB_ID))
         # Entry ids start with the server's clock in milliseconds when the entry was added.
@@ -128,7 +126,7 @@ class RedisStreamSource(JobSource):
         return Lease(
             message_id=message_id,
             body=body if isinstance(body, bytes) else str(body).encode(),
-            job_id=_text(job_id) if job_id else None,
+            job_id=as_text(job_id) if job_id else None,
             delivery_count=delivery_count,
             enqueued_at=enqueued_at,
         )
@@ -141,7 +139,7 @@ class RedisStreamSource(JobSource):
         lost = self._claim_owned(
             keys=[self.stream], args=[self.group, self.consumer, 0, *[le.message_id for le in leases]]
         )
-        lost_ids = {_text(x) for x in lost}
+        lost_ids = {as_text(x) for x in lost}
         return [le for le in leases if le.message_id in lost_ids]
 
     def ack(self, lease: Lease) -> None:
@@ -180,7 +178,7 @@ class RedisStreamSource(JobSource):
     def num_pending(self) -> int | None:
         summary = self.redis.xpending(self.stream, self.group)
         for consumer in summary.get("consumers") or []:
-            if _text(consumer["name"]) == self.consumer:
+            if as_text(consumer["name"]) == self.consumer:
                 return int(consumer["pending"])
         return 0
 
@@ -213,10 +211,36 @@ class RedisStreamProducer(JobProducer):
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.xadd(self.stream, {constants.FIELD_JOB_ID: job.job_id, constants.FIELD_BODY: job.body})
-        return [_text(x) for x in pipe.execute()]
+        return [as_text(x) for x in pipe.execute()]
 
     def queue_depth(self) -> int | None:
         return int(self.redis.xlen(self.stream))
 
     def close(self) -> None:
         self.redis.close()
+
+
+# A Redis URL may serve as queue and results at once: the sink's parameters are accepted too.
+URL_PARAMS = SOURCE_PARAMS | SINK_PARAMS
+
+
+def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> RedisStreamSource:
+    parsed = parse_redis_url(url, URL_PARAMS)
+    stream = parsed.params.get("stream", constants.DEFAULT_STREAM)
+    return RedisStreamSource(
+        redis_client(parsed.connection_url),
+        stream=stream,
+        group=parsed.params.get("group", constants.DEFAULT_GROUP),
+        consumer=consumer,
+        dead_letter_stream=parsed.params.get("dead_letter", constants.dead_letter_stream(stream)),
+        lease_timeout_s=lease_timeout_s or url_number(parsed.params, "lease_timeout_s", 30.0),
+    )
+
+
+def open_producer(url: str, payload_location: str | None) -> RedisStreamProducer:
+    parsed = parse_redis_url(url, URL_PARAMS)
+    return RedisStreamProducer(
+        redis_client(parsed.connection_url),
+        stream=parsed.params.get("stream", constants.DEFAULT_STREAM),
+        group=parsed.params.get("group", constants.DEFAULT_GROUP),
+    )

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from qworker.worker.connections import aws_client, aws_parts, url_number
 from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
 
 logger = logging.getLogger(__name__)
@@ -330,3 +331,25 @@ class SqsProducer(JobProducer):
         self.sqs.close()
         if self.s3 is not None:
             self.s3.close()
+
+
+def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> SqsSource:
+    queue, _, params = aws_parts(url)
+    return SqsSource(
+        aws_client("sqs", params),
+        queue=queue,
+        s3=aws_client("s3", params),
+        dead_letter_queue=params.get("dead_letter"),
+        # None: the queue's own VisibilityTimeout.
+        lease_timeout_s=lease_timeout_s or (url_number(params, "lease_timeout_s", 0) or None),
+    )
+
+
+def open_producer(url: str, payload_location: str | None) -> SqsProducer:
+    queue, _, params = aws_parts(url)
+    return SqsProducer(
+        aws_client("sqs", params),
+        queue=queue,
+        s3=aws_client("s3", params),
+        payload_location=params.get("payload_s3") or payload_location,
+    )

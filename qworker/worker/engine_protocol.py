@@ -1,0 +1,85 @@
+"""What the worker needs from an engine: add and abort requests, step, KV stats, limits.
+
+`qworker.engine.llm_engine.LLMEngine` satisfies this structurally, and so does the scripted
+`qworker.worker.fake_engine.FakeEngine` that unit tests of the worker loop use. The types named
+here are plain dataclasses: importing this module never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from qworker.config import EngineConfig
+from qworker.engine.block_pool import KVCacheStats
+from qworker.engine.outputs import RequestOutput, StepOutput
+from qworker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qworker.engine.llm_engine import LLMEngine
+    from qworker.worker.fake_engine import FakeEngine
+
+
+class DeviceLike(Protocol):
+    """Where the engine runs (a torch.device has this), so the worker can warn about threads."""
+
+    @property
+    def type(self) -> str: ...
+
+
+class EngineProtocol(Protocol):
+    """The engine as the worker loop sees it. Tokens and text in, step outputs out: no tensors."""
+
+    @property
+    def config(self) -> EngineConfig:
+        """Admission reads `block_size` and `max_num_seqs`."""
+        ...
+
+    @property
+    def device(self) -> DeviceLike: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """None when the model has no tokenizer: then only `prompt_token_ids` jobs can run."""
+        ...
+
+    def tokenize(self, prompt: str) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a plain-text prompt."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; `prompt` is {"prompt_token_ids": [...], "prompt"?: text}.
+
+        Raises an InvalidRequestError subclass for input that can never run (too long, ids
+        outside the vocabulary)."""
+        ...
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; its partial output, or None if unknown."""
+        ...
+
+    def step(self) -> list[StepOutput]:
+        """One scheduling step: each scheduled request's new tokens and text; finished ones
+        carry their whole output."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def kv_stats(self) -> KVCacheStats: ...
+
+
+if TYPE_CHECKING:
+    # Static checks (mypy): both engines satisfy the protocol. Nothing runs here.
+    def _llm_engine_is_an_engine(engine: LLMEngine) -> EngineProtocol:
+        return engine
+
+    def _fake_engine_is_an_engine(engine: FakeEngine) -> EngineProtocol:
+        return engine

@@ -1,0 +1,236 @@
+"""A scripted engine for unit tests of the worker loop: no model, no torch.
+
+Each running request emits one token per step, taken from its script (by default the letters
+a..z over and over), and finishes at `max_tokens` ("length") or when its script ends ("stop").
+Tokens are UTF-8 bytes (a vocabulary of 256), so a token's text is its byte. KV blocks are
+accounted like the real engine's, closely enough for admission: a request holds
+ceil(tokens / block_size) blocks while it runs, waits while its prompt does not fit, and stalls
+(emits nothing that step) when it cannot grow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qworker.config import EngineConfig
+from qworker.engine.block_pool import KVCacheStats
+from qworker.engine.kv_cache_manager import cdiv
+from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from qworker.engine.sampling_params import SamplingParams
+from qworker.errors import InvalidRequestError, PromptTooLongError
+
+VOCAB_SIZE = 256
+DEFAULT_SCRIPT = list(b"abcdefghijklmnopqrstuvwxyz")
+
+# (request id, prompt token ids) -> the tokens the request emits, one per step.
+Script = Callable[[str, list[int]], list[int]]
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    type: str = "cpu"
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
+
+@dataclass
+class _FakeRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    script: list[int]
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    # 0 while waiting: blocks are taken when the request starts.
+    num_blocks: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class FakeEngine:
+    """Satisfies qworker.worker.engine_protocol.EngineProtocol with scripted outputs.
+
+    `on_step(n)` runs at the start of step n (1-based): a test's hook to act mid-run (cancel a
+    job, expire a lease, stop the worker). `added` and `aborted` record request ids in order.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        script: Script | None = None,
+        has_tokenizer: bool = True,
+        max_model_len: int = 256,
+    ) -> None:
+        self.config = config or EngineConfig(model="fake", block_size=4, num_kv_blocks=64, max_num_seqs=8)
+        assert self.config.num_kv_blocks is not None, "the fake engine needs num_kv_blocks"
+        self.num_kv_blocks = self.config.num_kv_blocks
+        self.max_model_len = max_model_len
+        self.device = FakeDevice()
+        self.tokenizer: ByteTokenizer | None = ByteTokenizer() if has_tokenizer else None
+        self.script = script or (lambda request_id, prompt_token_ids: DEFAULT_SCRIPT)
+        self.on_step: Callable[[int], None] | None = None
+        self.num_steps = 0
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self._waiting: list[_FakeRequest] = []
+        self._running: list[_FakeRequest] = []
+
+    # -- prompts -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> tuple[str | None, list[int]]:
+        assert self.tokenizer is not None, "the worker checks for a tokenizer first"
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        assert self.tokenizer is not None, "the worker checks for a tokenizer first"
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return self.tokenizer.encode(text)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        if any(r.request_id == request_id for r in (*self._waiting, *self._running)):
+            raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
+        token_ids = list(prompt["prompt_token_ids"])
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty (no tokens)")
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < VOCAB_SIZE:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {VOCAB_SIZE})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len}"
+            )
+        if cdiv(len(token_ids) + 1, self.config.block_size) > self.num_kv_blocks:
+            raise PromptTooLongError(f"prompt of {len(token_ids)} tokens does not fit in the KV cache")
+        script = list(self.script(request_id, token_ids))
+        assert script, f"the script gave request {request_id} no tokens"
+        self._waiting.append(
+            _FakeRequest(
+                request_id,
+                prompt.get("prompt"),
+                token_ids,
+                params,
+                script,
+                RequestMetrics(arrival_time=arrival_time or time.time()),
+            )
+        )
+        self.added.append(request_id)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        for queue in (self._waiting, self._running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.aborted.append(request_id)
+                    request.finish_reason = "abort"
+                    request.metrics.finished_time = time.time()
+                    return self._output(request)
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def kv_stats(self) -> KVCacheStats:
+        num_used = sum(r.num_blocks for r in self._running)
+        num_stored = sum(r.num_tokens for r in self._running)
+        return KVCacheStats(
+            block_size=self.config.block_size,
+            num_total_blocks=self.num_kv_blocks,
+            num_free_blocks=self.num_kv_blocks - num_used,
+            num_used_blocks=num_used,
+            num_tokens_stored=num_stored,
+            num_empty_slots=num_used * self.config.block_size - num_stored,
+        )
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        self.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(self.num_steps)
+        now = time.time()
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            num_blocks = cdiv(request.num_tokens + 1, self.config.block_size)
+            if num_blocks > self.kv_stats().num_free_blocks:
+                break
+            self._waiting.pop(0)
+            request.num_blocks = num_blocks
+            request.metrics.first_scheduled_time = now
+            self._running.append(request)
+        outputs = []
+        for request in list(self._running):
+            # Room for the token after this one, as the real scheduler reserves a slot.
+            num_blocks = cdiv(request.num_tokens + 1, self.config.block_size)
+            if num_blocks > request.num_blocks:
+                if num_blocks - request.num_blocks > self.kv_stats().num_free_blocks:
+                    continue
+                request.num_blocks = num_blocks
+            outputs.append(self._emit(request, now))
+        return outputs
+
+    def _emit(self, request: _FakeRequest, now: float) -> StepOutput:
+        token_id = request.script[len(request.output_token_ids)]
+        request.output_token_ids.append(token_id)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.finish_reason = "length"
+        elif num_output_tokens >= len(request.script):
+            request.finish_reason = "stop"
+        text = bytes([token_id]).decode(errors="replace")
+        step_output = StepOutput(request.request_id, [token_id], text, request.finish_reason is not None)
+        if request.finish_reason is not None:
+            self._running.remove(request)
+            request.metrics.finished_time = now
+            step_output.finish_reason = request.finish_reason
+            step_output.output = self._output(request)
+        return step_output
+
+    def _output(self, request: _FakeRequest) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=bytes(request.output_token_ids).decode(errors="replace"),
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.finish_reason is not None,
+            metrics=request.metrics,
+        )

@@ -1,0 +1,119 @@
+"""Result store in this process's memory: results, live deltas, cancel flags, worker stats.
+
+The pair of sources/memory.py, for unit tests of the worker loop and for trying qworker without
+a server. `memory://NAME` opens the store NAME, shared by the whole process (a worker and a
+client in one process meet there). As in every store, the first result written for a job id is
+the one kept.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from qworker.worker.connections import InvalidURLError, redact_url, reject_unknown_params
+from qworker.worker.jobs import JobResult
+from qworker.worker.sinks.base import Delta, ResultSink
+from qworker.worker.sources.memory import URL_PARAMS, Journal
+
+
+class MemoryResultSink(ResultSink):
+    """`journal`, when given, records ("deltas", job id) for each delta and ("result", job id)
+    for each stored result (see sources/memory.py)."""
+
+    def __init__(self, journal: Journal | None = None) -> None:
+        self.journal = journal
+        self.results: dict[str, JobResult] = {}
+        self.deltas: dict[str, list[Delta]] = {}
+        # job id -> status, once its live stream has ended.
+        self.ended: dict[str, str] = {}
+        self.cancel_requested: set[str] = set()
+        self.worker_stats: dict[str, Any] = {}
+        self._changed = threading.Condition()
+
+    def write_deltas(self, deltas: list[Delta]) -> None:
+        with self._changed:
+            for delta in deltas:
+                self.deltas.setdefault(delta.job_id, []).append(delta)
+                if self.journal is not None:
+                    self.journal.append(("deltas", delta.job_id))
+            self._changed.notify_all()
+
+    def write_result(self, result: JobResult) -> bool:
+        with self._changed:
+            is_stored = result.id not in self.results
+            if is_stored:
+                self.results[result.id] = result.model_copy(deep=True)
+                if self.journal is not None:
+                    self.journal.append(("result", result.id))
+            self.ended.setdefault(result.id, result.status.value)
+            self._changed.notify_all()
+            return is_stored
+
+    def end_deltas(self, job_id: str, status: str) -> None:
+        with self._changed:
+            self.ended.setdefault(job_id, status)
+            self._changed.notify_all()
+
+    def has_result(self, job_id: str) -> bool:
+        with self._changed:
+            return job_id in self.results
+
+    def get_result(self, job_id: str) -> JobResult | None:
+        with self._changed:
+            result = self.results.get(job_id)
+            return result.model_copy(deep=True) if result is not None else None
+
+    def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
+        num_read = 0
+        last_progress = time.monotonic()
+        while True:
+            with self._changed:
+                new = self.deltas.get(job_id, [])[num_read:]
+                is_ended = job_id in self.ended or job_id in self.results
+                if not new and not is_ended:
+                    wait_s = None if timeout_s is None else timeout_s - (time.monotonic() - last_progress)
+                    if wait_s is not None and wait_s <= 0:
+                        raise TimeoutError(f"no output from job {job_id} for {timeout_s:.1f}s")
+                    self._changed.wait(wait_s)
+                    continue
+            # Yield outside the lock: the reader may be slow, the writer must not wait on it.
+            yield from new
+            num_read += len(new)
+            last_progress = time.monotonic()
+            if not new and is_ended:
+                return
+
+    def request_cancel(self, job_id: str) -> None:
+        with self._changed:
+            self.cancel_requested.add(job_id)
+
+    def cancelled_ids(self, job_ids: list[str]) -> set[str]:
+        with self._changed:
+            return self.cancel_requested.intersection(job_ids)
+
+    def write_worker_stats(self, worker_name: str, stats: Any) -> None:
+        with self._changed:
+            self.worker_stats[worker_name] = stats
+
+
+# The named stores of memory:// URLs, shared by the whole process; each lives as long as it.
+_named_sinks: dict[str, MemoryResultSink] = {}
+_named_sinks_lock = threading.Lock()
+
+
+def open_sink(url: str) -> MemoryResultSink:
+    parts = urlsplit(url)
+    # The queue's parameters are allowed (and ignored): one memory:// URL may serve as both.
+    reject_unknown_params(url, dict(parse_qsl(parts.query, keep_blank_values=True)), URL_PARAMS)
+    name = parts.netloc + parts.path
+    if not name:
+        raise InvalidURLError(f"URL {redact_url(url)!r} names no store; use memory://NAME")
+    with _named_sinks_lock:
+        sink = _named_sinks.get(name)
+        if sink is None:
+            sink = _named_sinks[name] = MemoryResultSink()
+        return sink

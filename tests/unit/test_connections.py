@@ -1,0 +1,212 @@
+"""The backend table in qworker.worker.connections: each scheme opens its class, errors list what
+the table holds, and URL query parameters nobody takes are an InvalidURLError.
+
+Sinks open without connecting (redis-py and boto3 connect at the first command); the Redis
+sources create their consumer group, so they use the Redis server of the tests (a unique stream
+each, deleted afterwards), and the SQS source asks moto's server for its queue.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import uuid
+
+import pytest
+
+from qworker.worker import connections
+from qworker.worker.connections import (
+    QUEUE_BACKENDS,
+    RESULT_BACKENDS,
+    InvalidURLError,
+    default_results_url,
+    open_producer,
+    open_sink,
+    open_source,
+    queue_schemes,
+    result_schemes,
+)
+from qworker.worker.sinks.celery import CeleryResultSink
+from qworker.worker.sinks.memory import MemoryResultSink
+from qworker.worker.sinks.redis import RedisResultSink
+from qworker.worker.sinks.s3 import S3ResultSink
+from qworker.worker.sources.celery import CeleryProducer, CelerySource
+from qworker.worker.sources.memory import MemoryProducer, MemorySource
+from qworker.worker.sources.redis_streams import RedisStreamProducer, RedisStreamSource
+from qworker.worker.testing import redis_base_url
+
+AWS = "region=us-east-1&endpoint_url=http://127.0.0.1:9"
+
+
+def test_every_backend_module_has_its_openers():
+    for scheme, module_path in QUEUE_BACKENDS.items():
+        module = importlib.import_module(module_path)
+        assert callable(getattr(module, "open_source", None)), scheme
+        assert callable(getattr(module, "open_producer", None)), scheme
+    for scheme, module_path in RESULT_BACKENDS.items():
+        assert callable(getattr(importlib.import_module(module_path), "open_sink", None)), scheme
+    assert queue_schemes() == tuple(QUEUE_BACKENDS)
+    assert result_schemes() == tuple(RESULT_BACKENDS)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("url", "sink_class"),
+    [
+        ("redis://127.0.0.1:6379/0?prefix=p", RedisResultSink),
+        ("rediss://127.0.0.1:6380/0?ssl_cert_reqs=none", RedisResultSink),
+        ("unix:///tmp/qworker-test-none.sock?prefix=p", RedisResultSink),
+        (f"s3://bucket/prefix?{AWS}", S3ResultSink),
+        ("celery+redis://127.0.0.1:6379/0?queue=q", CeleryResultSink),
+        ("celery+rediss://127.0.0.1:6380/0?ssl_cert_reqs=none", CeleryResultSink),
+        ("memory://results-test", MemoryResultSink),
+    ],
+)
+def test_every_result_scheme_opens_its_sink(url, sink_class):
+    sink = open_sink(url)
+    assert type(sink) is sink_class
+
+
+def test_the_result_cases_cover_the_table():
+    covered = {"redis", "rediss", "unix", "s3", "celery+redis", "celery+rediss", "memory"}
+    assert set(RESULT_BACKENDS) == covered
+
+
+@pytest.fixture
+def redis_url():
+    import redis
+
+    base = redis_base_url()
+    name = f"qwtest:conn:{uuid.uuid4().hex[:10]}"
+    yield f"{base}?stream={name}&group=g&prefix={name}", name
+    client = redis.Redis.from_url(base)
+    for pattern in (f"{name}*", f"_kombu.binding*{name}*"):
+        for key in client.scan_iter(match=pattern):
+            client.delete(key)
+    client.close()
+
+
+@pytest.mark.timeout(30)
+def test_queue_schemes_open_their_sources_and_producers(redis_url):
+    url, name = redis_url
+    source = open_source(url, consumer="c1", lease_timeout_s=7)
+    assert type(source) is RedisStreamSource
+    assert (source.stream, source.lease_timeout_s) == (name, 7)
+    assert type(open_producer(url)) is RedisStreamProducer
+
+    celery_url = "celery+" + url.split("?")[0] + f"?queue={name}.celery"
+    assert type(open_source(celery_url, consumer="c1")) is CelerySource
+    assert type(open_producer(celery_url)) is CeleryProducer
+
+    memory_source = open_source("memory://conn-test?lease_timeout_s=5", consumer="c1")
+    assert type(memory_source) is MemorySource
+    assert memory_source.lease_timeout_s == 5
+    assert type(open_producer("memory://conn-test")) is MemoryProducer
+    # rediss, unix and celery+rediss differ from their plain forms only in redis-py's connection
+    # class, which sink tests above cover without a TLS server or a socket.
+    assert QUEUE_BACKENDS["rediss"] == QUEUE_BACKENDS["unix"] == QUEUE_BACKENDS["redis"]
+    assert QUEUE_BACKENDS["celery+rediss"] == QUEUE_BACKENDS["celery+redis"]
+
+
+@pytest.mark.timeout(60)
+def test_sqs_scheme_opens_an_sqs_source():
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from qworker.worker.sources.sqs import SqsProducer, SqsSource
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            endpoint = f"http://127.0.0.1:{port}"
+            sqs = boto3.session.Session().client("sqs", region_name="us-east-1", endpoint_url=endpoint)
+            sqs.create_queue(QueueName="conn-test")
+            url = f"sqs://conn-test?region=us-east-1&endpoint_url={endpoint}&lease_timeout_s=9"
+            source = open_source(url, consumer="c1")
+            assert type(source) is SqsSource
+            assert source.lease_timeout_s == 9
+            assert type(open_producer(url)) is SqsProducer
+    finally:
+        server.stop()
+
+
+def test_unknown_scheme_lists_the_table(monkeypatch):
+    with pytest.raises(InvalidURLError) as info:
+        open_source("amqp://guest@host//", consumer="c")
+    for scheme in queue_schemes():
+        assert f"{scheme}://" in str(info.value)
+    assert "'amqp'" in str(info.value)
+    with pytest.raises(InvalidURLError) as info:
+        open_sink("sqs://jobs")
+    for scheme in result_schemes():
+        assert f"{scheme}://" in str(info.value)
+    with pytest.raises(InvalidURLError, match="has no scheme"):
+        open_sink("/just/a/path")
+    # One line adds a backend; the messages follow the table.
+    monkeypatch.setitem(QUEUE_BACKENDS, "inproc", "qworker.worker.sources.memory")
+    assert type(open_source("inproc://q", consumer="c")) is MemorySource
+    with pytest.raises(InvalidURLError, match="inproc://"):
+        open_source("amqp://host", consumer="c")
+
+
+def test_default_results_url_follows_the_table():
+    assert default_results_url("redis://h:1/0?stream=s") == "redis://h:1/0?stream=s"
+    with pytest.raises(InvalidURLError) as info:
+        default_results_url("sqs://jobs")
+    for scheme in result_schemes():
+        assert f"{scheme}://" in str(info.value)
+
+
+def test_schemes_text():
+    assert connections.schemes_text(["redis"]) == "redis://"
+    assert connections.schemes_text(["redis", "sqs", "memory"]) == "redis://, sqs:// or memory://"
+
+
+@pytest.mark.parametrize("opener", ["source", "sink", "producer"])
+def test_unknown_redis_parameter_is_named_with_the_accepted_ones(opener):
+    url = "redis://:hunter2@127.0.0.1:6379/0?steam=jobs"
+    with pytest.raises(InvalidURLError) as info:
+        if opener == "source":
+            open_source(url, consumer="c")
+        elif opener == "sink":
+            open_sink(url)
+        else:
+            open_producer(url)
+    message = str(info.value)
+    assert "'steam'" in message
+    for accepted in ("stream", "group", "prefix", "socket_timeout", "health_check_interval"):
+        assert accepted in message
+    assert "hunter2" not in message
+
+
+def test_redis_parameters_pass_through_to_redis_py():
+    sink = open_sink("redis://127.0.0.1:6379/0?prefix=p&socket_timeout=3&health_check_interval=7")
+    assert isinstance(sink, RedisResultSink)
+    kwargs = sink.redis.connection_pool.connection_kwargs
+    assert (kwargs["socket_timeout"], kwargs["health_check_interval"]) == (3.0, 7)
+    assert sink.prefix == "p"
+    # TLS options exist only for rediss://: redis-py's plain connection would reject them later.
+    with pytest.raises(InvalidURLError, match="'ssl_cert_reqs'"):
+        open_sink("redis://127.0.0.1:6379/0?ssl_cert_reqs=none")
+    sink = open_sink("rediss://127.0.0.1:6380/0?ssl_cert_reqs=none&ssl_check_hostname=false")
+    assert isinstance(sink, RedisResultSink)
+    assert sink.redis.connection_pool.connection_kwargs["ssl_cert_reqs"] == "none"
+
+
+def test_unknown_parameters_of_other_backends():
+    with pytest.raises(InvalidURLError, match="'socket_timeout'.*kombu's: ssl_\\*"):
+        open_source("celery+redis://127.0.0.1:6379/0?socket_timeout=3", consumer="c")
+    with pytest.raises(InvalidURLError, match="'quue'"):
+        open_sink("celery+redis://127.0.0.1:6379/0?quue=q")
+    with pytest.raises(InvalidURLError, match="'bucket_region'"):
+        open_sink(f"s3://bucket/prefix?{AWS}&bucket_region=x")
+    with pytest.raises(InvalidURLError, match="'sream'.*lease_timeout_s"):
+        open_source("memory://q?sream=x", consumer="c")
+    with pytest.raises(InvalidURLError, match="is not a number"):
+        open_source("memory://q?lease_timeout_s=soon", consumer="c")

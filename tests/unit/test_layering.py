@@ -1,0 +1,63 @@
+"""Dependencies point down: the engine never imports the worker's libraries, and the worker's
+seam to the engine, its loop and its in-memory test parts never import torch.
+
+Each check imports in a fresh interpreter, so that what other tests imported does not count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+WORKER_LIBRARIES = ("pydantic", "redis", "boto3", "botocore", "kombu", "celery")
+ENGINE_LIBRARIES = ("torch", "transformers", "triton")
+
+
+def imported_after(modules: list[str], watched: tuple[str, ...]) -> list[str]:
+    """The `watched` top-level packages in sys.modules after importing `modules` in a new process."""
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(150)
+def test_engine_imports_no_worker_library():
+    loaded = imported_after(["qworker", "qworker.engine.llm_engine", "qworker.engine.llm"], WORKER_LIBRARIES)
+    assert loaded == [], f"the engine pulled in {loaded}: it must run with torch and transformers alone"
+
+
+@pytest.mark.timeout(150)
+def test_worker_loop_and_its_test_parts_import_no_torch():
+    modules = [
+        "qworker.worker.engine_protocol",
+        "qworker.worker.loop",
+        "qworker.worker.fake_engine",
+        "qworker.worker.sources.memory",
+        "qworker.worker.sinks.memory",
+        "qworker.worker.connections",
+    ]
+    loaded = imported_after(modules, ENGINE_LIBRARIES)
+    assert loaded == [], f"the worker side pulled in {loaded}: the worker never touches tensors"
+
+
+@pytest.mark.timeout(150)
+def test_connections_open_backends_lazily():
+    # The table names modules; nothing of a backend's client library loads until a URL uses it.
+    loaded = imported_after(["qworker.worker.connections"], ("redis", "boto3", "botocore", "kombu", "celery"))
+    assert loaded == []
