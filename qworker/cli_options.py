@@ -30,7 +30,6 @@ from collections.abc import Callable, Collection
 from enum import Enum
 from typing import Annotated, Any, TypeVar
 
-import click
 import typer
 
 from qworker.config import EngineConfig
@@ -170,7 +169,8 @@ def _build(cls: type, options: list[ConfigOption], given: dict[str, Any], as_ove
     try:
         built = cls(**values)
     except (TypeError, ValueError) as exc:
-        raise click.UsageError(f"invalid {cls.__name__}: {exc}") from None
+        # typer's own exception class: typer vendors click, so click.UsageError would be a traceback.
+        raise typer.BadParameter(f"{exc} ({cls.__name__})") from None
     return values if as_overrides else built
 
 
