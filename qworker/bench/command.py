@@ -18,11 +18,16 @@ import typer
 
 from qworker.bench.metrics import DEFAULT_PERCENTILES, parse_slo
 from qworker.bench.registry import BenchSettings, SystemSpec, build_system, parse_systems
+from qworker.bench.run_loop import warm_up
 from qworker.bench.sweep import RequestSet, parse_rates, run_sweep
 from qworker.bench.system import RunLimits, System
-from qworker.bench.workload import generate_requests, load_workload
+from qworker.bench.workload import load_workload, packaged_workloads, requests_for_model
+from qworker.cli_options import engine_options
+from qworker.config import EngineConfig
 
 MODES = ("engine", "queue")
+# Engine options that every system takes (the baselines too); the others tune qworker systems only.
+SHARED_FIELDS = ("model", "dtype", "device")
 DEFAULT_DRAIN_TIMEOUT_S = 180.0
 
 
@@ -87,16 +92,23 @@ def _build_systems(
                         settings.model,
                         settings.dtype,
                         settings.device,
-                        worker_args(spec.label, spec.options, settings.engine_overrides),
+                        worker_args(spec, settings),
                         spawn_worker=spawn_worker,
                     )
                 )
     return systems, notes
 
 
+# --seed is the workload's seed here: the engine's sampler seed is no bench option.
+@engine_options(into="engine_overrides", as_overrides=True, exclude=("seed",))
 def bench(
     workload: Annotated[
-        Path, typer.Option("--workload", "-w", help="Workload spec JSON (see ../shared/workloads)")
+        str,
+        typer.Option(
+            "--workload",
+            "-w",
+            help=f"A packaged workload ({', '.join(packaged_workloads())}) or a workload spec JSON file",
+        ),
     ],
     mode: Annotated[
         str, typer.Option(help="engine, queue, or engine,queue (both, same requests)")
@@ -134,17 +146,6 @@ def bench(
     request_timeout_s: Annotated[
         float | None, typer.Option(help="Per-request limit from send to finish (default: none)")
     ] = None,
-    model: Annotated[str, typer.Option(help="smollm2, a Hugging Face directory or a .gguf file")] = "smollm2",
-    dtype: Annotated[
-        str, typer.Option(help="auto (bf16 where the CPU has bf16 hardware, else fp32), float32, bfloat16")
-    ] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda (every system uses the same)")] = "auto",
-    block_size: Annotated[int | None, typer.Option(help="qworker default block size")] = None,
-    num_kv_blocks: Annotated[
-        int | None, typer.Option(help="qworker KV blocks (default: from memory)")
-    ] = None,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
     warmup: Annotated[int, typer.Option(help="Warm-up requests per system before measuring")] = 1,
     percentiles: Annotated[str, typer.Option(help="Percentiles to report")] = ",".join(
         f"{p:g}" for p in DEFAULT_PERCENTILES
@@ -161,10 +162,14 @@ def bench(
     ] = True,
     plots: Annotated[bool, typer.Option(help="Render PNG plots")] = True,
     progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
+    *,
+    engine_overrides: dict[str, Any],
 ) -> None:
-    """Benchmark serving: TTFT, TPOT, ITL, E2EL, throughput and goodput, per system, same requests."""
+    """Benchmark serving: TTFT, TPOT, ITL, E2EL, throughput and goodput, per system, same requests.
+
+    The engine options apply to every qworker system (a system's own `qworker:key=value` wins);
+    --model, --dtype and --device apply to every system."""
     from qworker.bench.report import comparisons, render_report_md, saturation, write_results_json
-    from qworker.model.loader import load_hf_config, load_tokenizer, resolve_model
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     modes = [m.strip() for m in mode.split(",") if m.strip()]
@@ -181,16 +186,9 @@ def bench(
     if not pcts or any(not 0 < p < 100 for p in pcts):
         raise typer.BadParameter(f"--percentiles must be numbers in (0, 100); got {percentiles!r}")
     baseline = baseline or _default_baseline(specs)
-    overrides = {
-        k: v
-        for k, v in {
-            "block_size": block_size,
-            "num_kv_blocks": num_kv_blocks,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-        }.items()
-        if v is not None
-    }
+    shared = EngineConfig(**{k: v for k, v in engine_overrides.items() if k in SHARED_FIELDS})
+    overrides = {k: v for k, v in engine_overrides.items() if k not in SHARED_FIELDS}
+    model, dtype, device = shared.model, shared.dtype, shared.device
     settings = BenchSettings(
         model=model,
         dtype=dtype,
@@ -202,20 +200,10 @@ def bench(
     out.mkdir(parents=True, exist_ok=True)
 
     # The request set depends on the spec, the seed and the model's vocabulary only.
-    model_path = resolve_model(model).path
-    tokenizer = load_tokenizer(model_path)
-    vocab_size = load_hf_config(model_path).vocab_size
-    excluded = list(getattr(tokenizer, "all_special_ids", []) or [])
-
-    def tokenize(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
     request_sets = []
     for r in rates:
         rate_spec = spec.with_overrides(rate=r)
-        request_sets.append(
-            RequestSet(r, rate_spec, generate_requests(rate_spec, vocab_size, tokenize, excluded))
-        )
+        request_sets.append(RequestSet(r, rate_spec, requests_for_model(rate_spec, model)))
 
     built, notes = _build_systems(specs, modes, settings, out, queue_url, spawn_worker)
     if not built:
@@ -227,6 +215,7 @@ def bench(
         for system in built:
             typer.echo(f"loading and warming up {system.label} ({system.mode}) ...", err=True)
             system.prepare()
+            warm_up(system, warmup)
         runs = run_sweep(built, request_sets, limits, slo_limits, pcts, show_progress=progress)
         described = {f"{s.label} [{s.mode}]": s.describe() for s in built}
     finally:

@@ -4,7 +4,11 @@ Timestamps are taken on the client side, so the submit round trip, the time on t
 worker's admission and the streaming path are all inside TTFT, ITL and E2EL. Each request is
 submitted at its arrival time with `Client.submit`; a thread per request reads
 `Client.stream` (a chunk is one non-empty text delta) and then `Client.result`, whose usage
-gives the token count and whose timings give the queue wait (started_at - enqueued_at).
+gives the token count and whose timings give the queue wait (started_at - enqueued_at). The
+reader threads only post what they saw (with its time) to the run loop's thread, which owns the
+records. With `stream=False` one thread reads the results in submit order instead, as a bulk
+client does: lighter on a process that also runs the worker, but with no TTFT or ITL, and finish
+times are when the client read each result.
 
 By default the bench starts its own `qworker worker` subprocess on a fresh stream, group and
 key prefix (so no stale jobs or results are seen) and stops it at the end; with
@@ -22,30 +26,48 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from qworker.bench.load import LoadGenerator
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.system import Progress, RunClock, RunLimits, RunResult, new_record, time_out_unsent
+from qworker.bench.registry import (
+    BenchSettings,
+    SystemSpec,
+    SystemSpecError,
+    engine_config_for,
+    parse_field_options,
+)
+from qworker.bench.run_loop import IDLE_POLL_S, Run, RunClock
+from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
+from qworker.cli_options import config_option_list, config_to_args
+from qworker.worker.settings import WorkerSettings
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
-# qworker:<option> -> `qworker worker` flag. Chunked prefill and static admission are engine-mode
-# variants only: the worker has no switch for them.
-WORKER_FLAGS = {
-    "block_size": "--block-size",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "num_kv_blocks": "--num-kv-blocks",
-    "max_model_len": "--max-model-len",
-    "attention_backend": "--attention-backend",
-    "max_backlog": "--max-backlog",
-    "reserve_blocks_per_seq": "--reserve-blocks-per-seq",
-}
 # A stream that shows nothing for this long is failed (the worker died or never took it).
 DEFAULT_STREAM_STALL_S = 600.0
-WARMUP_PROMPT_LEN = 64
+_RESULT_STATUSES = {"completed": RequestStatus.COMPLETED, "timeout": RequestStatus.TIMEOUT}
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A reader thread saw a text delta of the record's job at time t."""
+
+    record: RequestRecord
+    t: float
+
+
+@dataclass(frozen=True)
+class _Done:
+    """A reader thread read the job's result (or gave up on it) at time t."""
+
+    record: RequestRecord
+    t: float
+    status: RequestStatus
+    error: str | None = None
+    num_output_tokens: int | None = None
+    queue_wait_s: float | None = None
 
 
 def default_redis_url() -> str:
@@ -61,24 +83,23 @@ def default_redis_url() -> str:
         return resolve_url(None)
 
 
-def worker_args(label: str, options: dict[str, str], engine_overrides: dict[str, Any]) -> list[str]:
-    """`qworker worker` flags for a qworker system spec; options with no worker flag are an error."""
-    merged: dict[str, Any] = {k: v for k, v in engine_overrides.items() if k in WORKER_FLAGS}
-    for key, value in options.items():
-        if key not in WORKER_FLAGS:
-            raise ValueError(
-                f"system {label!r}: option {key!r} is not available in queue mode "
-                f"(the worker takes {sorted(WORKER_FLAGS)})"
-            )
-        merged[key] = value
-    args: list[str] = []
-    for key, value in merged.items():
-        if value is not None:
-            args += [WORKER_FLAGS[key], str(value)]
-    return args
+def worker_args(spec: SystemSpec, settings: BenchSettings) -> list[str]:
+    """`qworker worker` flags for a qworker system spec: its engine options and any WorkerSettings
+    fields it names (max_backlog=4, ...). Static admission is an engine-mode variant only: the
+    worker has no switch for it. Model, dtype and device are passed by the system itself."""
+    worker_fields = {o.field_name for o in config_option_list(WorkerSettings, exclude=("name",))}
+    worker_options = {k: v for k, v in spec.options.items() if k in worker_fields}
+    engine_spec = replace(spec, options={k: v for k, v in spec.options.items() if k not in worker_fields})
+    config, static_batch_size = engine_config_for(engine_spec, settings)
+    if static_batch_size is not None:
+        raise SystemSpecError(f"system {spec.label!r}: static admission is not available in queue mode")
+    worker = WorkerSettings(name="bench", **parse_field_options(spec, WorkerSettings, worker_options))
+    return config_to_args(config, exclude=("model", "dtype", "device")) + config_to_args(
+        worker, only=worker_options
+    )
 
 
-class QueueClientSystem:
+class QueueClientSystem(System):
     mode = "queue"
 
     def __init__(
@@ -92,6 +113,7 @@ class QueueClientSystem:
         extra_worker_args: Sequence[str] = (),
         spawn_worker: bool = True,
         ready_timeout_s: float = 900.0,
+        stream: bool = True,
     ) -> None:
         self.label = label
         self.queue_url = queue_url
@@ -102,12 +124,16 @@ class QueueClientSystem:
         self.extra_worker_args = list(extra_worker_args)
         self.spawn_worker = spawn_worker
         self.ready_timeout_s = ready_timeout_s
+        self.stream = stream
         self.url: str | None = None
         self.client: Any = None
         self.process: subprocess.Popen[bytes] | None = None
         self.run_tag = uuid.uuid4().hex[:10]
         self._num_runs = 0
         self.startup_s: float | None = None
+        self._events: queue.Queue[_Chunk | _Done] = queue.Queue()
+        self._job_ids: dict[str, str] = {}  # request id -> job id, this run
+        self._collector: queue.Queue[tuple[RequestRecord, str] | None] | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -116,6 +142,7 @@ class QueueClientSystem:
             "url": self.url,
             "spawned_worker": self.spawn_worker,
             "worker_args": self.extra_worker_args,
+            "stream": self.stream,
             "model": self.model,
             "dtype": self.dtype,
             "device": self.device,
@@ -137,13 +164,6 @@ class QueueClientSystem:
                 raise ValueError("queue mode without a spawned worker needs --queue-url")
             self.url = self.queue_url
         self.client = Client(queue=self.url)
-        # Warm up (and check the path works) with one short job.
-        job_id = self.client.submit(
-            self._job(f"{self.run_tag}-warmup", [33] * WARMUP_PROMPT_LEN, 4, 0.0, True)
-        )
-        result = self.client.result(job_id, timeout=self.ready_timeout_s)
-        if result.status.value != "completed":
-            raise RuntimeError(f"queue warm-up job ended {result.status.value}: {result.error}")
         self.startup_s = clock.now()
 
     def _start_worker(self) -> None:
@@ -217,136 +237,119 @@ class QueueClientSystem:
         finally:
             redis.close()
 
-    @staticmethod
-    def _job(
-        job_id: str, prompt_token_ids: list[int], max_tokens: int, temperature: float, ignore_eos: bool
-    ) -> dict[str, Any]:
-        return {
-            "id": job_id,
-            "prompt_token_ids": prompt_token_ids,
-            "params": {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos},
-        }
-
-    def run(
-        self,
-        requests: Sequence[BenchRequest],
-        max_concurrency: int | None,
-        limits: RunLimits,
-        progress: Progress,
-    ) -> RunResult:
-        client = self.client
-        assert client is not None, "prepare() first"
+    def begin(self, run: Run) -> None:
+        assert self.client is not None, "prepare() first"
         self._num_runs += 1
-        by_id = {r.request_id: r for r in requests}
-        load = LoadGenerator(requests, max_concurrency)
-        deadline = limits.run_deadline(requests)
-        stall_s = limits.request_timeout_s or DEFAULT_STREAM_STALL_S
-        records: list[RequestRecord] = []
-        outstanding: dict[str, tuple[RequestRecord, str]] = {}  # request id -> (record, job id)
-        lock = threading.Lock()
-        finished: queue.Queue[tuple[str, float]] = queue.Queue()
-        clock = RunClock()
+        # Fresh per run: a reader still busy with an earlier run's job posts to that run's queue.
+        self._events = queue.Queue()
+        self._job_ids.clear()
+        if not self.stream:
+            self._collector = queue.Queue()
+            threading.Thread(
+                target=self._collect, args=(run, self._collector, self._events), daemon=True
+            ).start()
 
-        def settle(record: RequestRecord, status: RequestStatus, t: float, error: str | None = None) -> bool:
-            # Under `lock`: the first of (reader thread, timeout, deadline) to settle a record wins.
-            if record.status is not None:
-                return False
-            record.finish(status, t, error)
+    def submit(self, run: Run, record: RequestRecord, request: BenchRequest) -> None:
+        job_id = f"{self.run_tag}-{self._num_runs}-{request.request_id}"
+        job = {
+            "id": job_id,
+            "prompt_token_ids": request.prompt_token_ids,
+            "params": {
+                "max_tokens": request.output_len,
+                "temperature": request.temperature,
+                "ignore_eos": request.ignore_eos,
+            },
+        }
+        try:
+            self.client.submit(job)
+        except Exception as exc:
+            run.finish(record, RequestStatus.FAILED, run.now(), f"submit: {type(exc).__name__}: {exc}")
+            return
+        self._job_ids[record.request_id] = job_id
+        if self._collector is not None:
+            self._collector.put((record, job_id))
+        else:
+            threading.Thread(target=self._read, args=(run, record, job_id, self._events), daemon=True).start()
+
+    def advance(self, run: Run, wake: float | None) -> bool:
+        timeout = IDLE_POLL_S if wake is None else max(0.0, wake - run.now())
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue.Empty:
             return True
-
-        def read(record: RequestRecord, job_id: str) -> None:
-            try:
-                for _text in client.stream(job_id, timeout=stall_s):
-                    t = clock.now()
-                    with lock:
-                        if record.status is not None:
-                            return
-                        record.add_chunk(t, 0)
-                result = client.result(job_id, timeout=stall_s)
-                t = clock.now()
-                status = {
-                    "completed": RequestStatus.COMPLETED,
-                    "timeout": RequestStatus.TIMEOUT,
-                }.get(result.status.value, RequestStatus.FAILED)
-                error = f"{result.error.type}: {result.error.message}" if result.error else None
-                if status is not RequestStatus.COMPLETED and error is None:
-                    error = f"job {result.status.value}"
-                with lock:
-                    if record.status is not None:
-                        return
-                    record.num_output_tokens = result.usage.completion_tokens
-                    timings = result.timings
-                    if timings.started_at is not None and timings.enqueued_at is not None:
-                        record.queue_wait_s = timings.started_at - timings.enqueued_at
-                    settle(record, status, t, error)
-                    finished.put((record.request_id, t))
-            except Exception as exc:  # a broken stream fails its request, never the run
-                t = clock.now()
-                with lock:
-                    if settle(record, RequestStatus.FAILED, t, f"{type(exc).__name__}: {exc}"):
-                        finished.put((record.request_id, t))
-
         while True:
-            t = clock.now()
-            for sent in load.poll(t):
-                request = sent.request
-                record = new_record(request, sent.send_time)
-                records.append(record)
-                job_id = f"{self.run_tag}-{self._num_runs}-{request.request_id}"
-                job = self._job(
-                    job_id,
-                    request.prompt_token_ids,
-                    request.output_len,
-                    request.temperature,
-                    request.ignore_eos,
-                )
-                try:
-                    client.submit(job)
-                except Exception as exc:
-                    with lock:
-                        settle(
-                            record, RequestStatus.FAILED, clock.now(), f"submit: {type(exc).__name__}: {exc}"
-                        )
-                    finished.put((record.request_id, clock.now()))
-                    continue
-                outstanding[record.request_id] = (record, job_id)
-                threading.Thread(target=read, args=(record, job_id), daemon=True).start()
-            if deadline is not None and t >= deadline:
-                break
-            if limits.request_timeout_s is not None:
-                for record, job_id in list(outstanding.values()):
-                    if t - record.arrival_time > limits.request_timeout_s:
-                        with lock:
-                            if settle(record, RequestStatus.TIMEOUT, t, "exceeded the request timeout"):
-                                finished.put((record.request_id, t))
-                        client.cancel(job_id)
-            if load.is_exhausted and not outstanding:
-                break
-            next_send = load.next_send_time()
-            wake = next_send if next_send is not None else t + 0.5
-            if deadline is not None:
-                wake = min(wake, deadline)
+            self._apply(run, event)
             try:
-                request_id, t_done = finished.get(timeout=max(0.0, wake - clock.now()))
+                event = self._events.get_nowait()
             except queue.Empty:
-                continue
-            while True:
-                outstanding.pop(request_id, None)
-                load.on_finished(t_done)
-                progress(1)
-                try:
-                    request_id, t_done = finished.get_nowait()
-                except queue.Empty:
-                    break
+                return True
 
-        t = clock.now()
-        with lock:
-            for record, job_id in outstanding.values():
-                if settle(record, RequestStatus.TIMEOUT, t, "still running at the run's time limit"):
-                    client.cancel(job_id)
-        progress(len(outstanding))
-        records.extend(time_out_unsent(load, t, progress))
-        assert all(r.request_id in by_id for r in records), "a record for an unknown request"
-        return RunResult(
-            system=self.label, mode=self.mode, records=records, duration_s=clock.now(), meta={"url": self.url}
-        )
+    def cancel(self, run: Run, record: RequestRecord) -> None:
+        job_id = self._job_ids.get(record.request_id)
+        if job_id is not None:
+            self.client.cancel(job_id)
+
+    def end(self, run: Run) -> None:
+        if self._collector is not None:
+            self._collector.put(None)
+            self._collector = None
+        run.meta["url"] = self.url
+
+    @staticmethod
+    def _apply(run: Run, event: _Chunk | _Done) -> None:
+        record = event.record
+        if record.status is not None:
+            return  # the loop timed it out first
+        if isinstance(event, _Chunk):
+            run.emit(record, event.t, 0)
+            return
+        if event.num_output_tokens is not None:
+            record.num_output_tokens = event.num_output_tokens
+        record.queue_wait_s = event.queue_wait_s
+        run.finish(record, event.status, event.t, event.error)
+
+    def _stall_s(self, run: Run) -> float:
+        return run.limits.request_timeout_s or DEFAULT_STREAM_STALL_S
+
+    def _result_event(self, run: Run, record: RequestRecord, job_id: str) -> _Done:
+        """Wait for the job's stored result; any error fails its request, never the run."""
+        try:
+            result = self.client.result(job_id, timeout=self._stall_s(run))
+        except Exception as exc:
+            return _Done(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}")
+        t = run.now()
+        status = _RESULT_STATUSES.get(result.status.value, RequestStatus.FAILED)
+        error = f"{result.error.type}: {result.error.message}" if result.error else None
+        if status is not RequestStatus.COMPLETED and error is None:
+            error = f"job {result.status.value}"
+        timings = result.timings
+        queue_wait_s = None
+        if timings.started_at is not None and timings.enqueued_at is not None:
+            queue_wait_s = timings.started_at - timings.enqueued_at
+        return _Done(record, t, status, error, result.usage.completion_tokens, queue_wait_s)
+
+    def _read(
+        self, run: Run, record: RequestRecord, job_id: str, events: queue.Queue[_Chunk | _Done]
+    ) -> None:
+        """A reader thread: the job's deltas as they come, then its result."""
+        try:
+            for _text in self.client.stream(job_id, timeout=self._stall_s(run)):
+                events.put(_Chunk(record, run.now()))
+                if record.status is not None:
+                    return  # timed out: the job was cancelled
+        except Exception as exc:  # a broken stream fails its request, never the run
+            events.put(_Done(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"))
+            return
+        events.put(self._result_event(run, record, job_id))
+
+    def _collect(
+        self,
+        run: Run,
+        jobs: queue.Queue[tuple[RequestRecord, str] | None],
+        events: queue.Queue[_Chunk | _Done],
+    ) -> None:
+        """The results-only reader: each job's result in submit order, until the run ends (None)."""
+        while (item := jobs.get()) is not None:
+            record, job_id = item
+            if record.status is None:
+                events.put(self._result_event(run, record, job_id))

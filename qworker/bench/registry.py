@@ -5,7 +5,8 @@ Grammar: comma-separated systems, each `kind[:key=value[:key=value...]]`, for ex
 The spec string itself is the system's label in tables and plots.
 
 kinds and their options:
-- `qworker`: any EngineConfig field (block_size=32, max_num_batched_tokens=512, ...),
+- `qworker`: any EngineConfig field (block_size=32, max_num_batched_tokens=512, ...; in queue
+  mode also any WorkerSettings field, max_backlog=4, ...),
   `chunked=on|off` (enable_chunked_prefill), `admission=continuous|static`, `batch=N`
   (the static batch size; default --batch-size). Aliases: `qworker-static`
   (admission=static), `qworker-nochunk` (chunked=off).
@@ -16,10 +17,11 @@ kinds and their options:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from qworker.bench.system import System
+from qworker.cli_options import config_option_list
 from qworker.config import EngineConfig
 
 KINDS = ("qworker", "hf-static", "hf-sequential", "vllm")
@@ -98,34 +100,42 @@ def _parse_int(spec: SystemSpec, key: str, value: str) -> int:
     return number
 
 
+def parse_field_options(spec: SystemSpec, cls: type, options: dict[str, str]) -> dict[str, Any]:
+    """A spec's `key=value` options that name fields of dataclass `cls`, typed as its command-line
+    options are (qworker.cli_options)."""
+    by_name = {o.field_name: o for o in config_option_list(cls)}
+    typed: dict[str, Any] = {}
+    for key, value in options.items():
+        option = by_name.get(key)
+        if option is None:
+            raise SystemSpecError(f"system {spec.label!r}: unknown option {key!r}")
+        if option.value_type is bool:
+            typed[key] = _parse_bool(spec, key, value)
+        elif option.value_type is int:
+            typed[key] = _parse_int(spec, key, value)
+        elif option.value_type is float:
+            try:
+                typed[key] = float(value)
+            except ValueError:
+                raise SystemSpecError(f"system {spec.label!r}: {key}={value!r} is not a number") from None
+        else:
+            typed[key] = value
+    return typed
+
+
 def engine_config_for(spec: SystemSpec, settings: BenchSettings) -> tuple[EngineConfig, int | None]:
     """The qworker EngineConfig and static batch size (None: continuous) for a spec."""
-    types = {f.name: f.type for f in fields(EngineConfig)}
     args: dict[str, Any] = {"model": settings.model, "dtype": settings.dtype, "device": settings.device}
     args.update(settings.engine_overrides)
-    static_batch_size: int | None = None
-    admission = "continuous"
-    for key, value in spec.options.items():
-        if key == "chunked":
-            args["enable_chunked_prefill"] = _parse_bool(spec, key, value)
-        elif key == "admission":
-            if value not in ("continuous", "static"):
-                raise SystemSpecError(f"system {spec.label!r}: admission must be continuous or static")
-            admission = value
-        elif key == "batch":
-            static_batch_size = _parse_int(spec, key, value)
-        elif key in types:
-            kind = str(types[key])
-            if "bool" in kind:
-                args[key] = _parse_bool(spec, key, value)
-            elif "int" in kind:
-                args[key] = _parse_int(spec, key, value)
-            elif "float" in kind:
-                args[key] = float(value)
-            else:
-                args[key] = value
-        else:
-            raise SystemSpecError(f"system {spec.label!r}: unknown option {key!r}")
+    options = dict(spec.options)
+    if "chunked" in options:
+        args["enable_chunked_prefill"] = _parse_bool(spec, "chunked", options.pop("chunked"))
+    admission = options.pop("admission", "continuous")
+    if admission not in ("continuous", "static"):
+        raise SystemSpecError(f"system {spec.label!r}: admission must be continuous or static")
+    batch = options.pop("batch", None)
+    static_batch_size = _parse_int(spec, "batch", batch) if batch is not None else None
+    args.update(parse_field_options(spec, EngineConfig, options))
     if admission == "static":
         static_batch_size = static_batch_size or settings.batch_size
     elif static_batch_size is not None:
@@ -142,7 +152,7 @@ def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
         from qworker.bench.qworker_engine import QworkerEngineSystem
 
         config, static_batch_size = engine_config_for(spec, settings)
-        return QworkerEngineSystem(spec.label, config, static_batch_size, settings.num_warmup_requests)
+        return QworkerEngineSystem(spec.label, config, static_batch_size)
     if spec.kind in ("hf-static", "hf-sequential"):
         import torch
 
@@ -167,7 +177,6 @@ def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
             batch_size,
             dtype=dtype,
             device=str(device),
-            num_warmup_requests=settings.num_warmup_requests,
         )
     if spec.kind == "vllm":
         from qworker.bench.vllm_engine import VLLMEngineSystem, vllm_options

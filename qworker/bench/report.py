@@ -40,7 +40,8 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table's lines (cells already formatted)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return lines
@@ -178,7 +179,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
         ]
         for rs in payload["request_sets"]
     ]
-    lines += _table(
+    lines += markdown_table(
         [
             "rate",
             "requests",
@@ -228,7 +229,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
         if slo:
             row.append(_fmt(s.get("request_goodput"), 2))
         rows.append(row)
-    lines += _table(header, rows)
+    lines += markdown_table(header, rows)
     if slo:
         lines += ["", "Goodput SLOs: " + ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items()) + "."]
 
@@ -254,7 +255,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             ]
             for c in comps
         ]
-        lines += _table(
+        lines += markdown_table(
             ["system", "rate", "output tok/s ×", "req/s ×", "p99 TTFT ×", "p99 ITL ×", "p99 E2EL ×"], rows
         )
 
@@ -281,7 +282,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             ]
             for s in sat
         ]
-        lines += _table(["system", "rates (req/s)", "sustained (req/s)", "breaks at (req/s)"], rows)
+        lines += markdown_table(["system", "rates (req/s)", "sustained (req/s)", "breaks at (req/s)"], rows)
         base = next((s for s in sat if s["name"] == meta.get("baseline")), None)
         if base is not None:
             for s in sat:
@@ -324,7 +325,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                     str(kv["num_preemptions"]),
                 ]
             )
-        lines += _table(
+        lines += markdown_table(
             [
                 "system",
                 "rate",
@@ -350,7 +351,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             ]
             for r in queue_runs
         ]
-        lines += _table(["system", "rate", f"queue wait mean / median / {pkeys[-1]} (ms)"], rows)
+        lines += markdown_table(["system", "rate", f"queue wait mean / median / {pkeys[-1]} (ms)"], rows)
         engine_by_key = {(r["system"], r["rate_label"]): r for r in runs if r["mode"] == "engine"}
         pairs = [(q, engine_by_key.get((q["system"], q["rate_label"]))) for q in runs if q["mode"] == "queue"]
         pair_rows = []
@@ -370,7 +371,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             )
         if pair_rows:
             lines += ["", "What the queue costs (queue mode against engine mode, same requests):", ""]
-            lines += _table(
+            lines += markdown_table(
                 [
                     "system",
                     "rate",

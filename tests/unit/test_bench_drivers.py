@@ -1,5 +1,5 @@
-"""The bench drivers on tiny random models: every request accounted for, static admission and
-static batching behave as specified, limits turn into counted timeouts."""
+"""The run loop with each system's hooks, on tiny random models: every request accounted for,
+static admission and static batching behave as specified, limits turn into counted timeouts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from qworker.bench.hf_generate import HFGenerateSystem
 from qworker.bench.qworker_engine import QworkerEngineSystem
 from qworker.bench.records import RequestStatus
+from qworker.bench.run_loop import run_system, warm_up
 from qworker.bench.system import RunLimits, RunResult
 from qworker.bench.workload import BenchRequest, generate_requests, parse_workload
 from qworker.config import EngineConfig
@@ -38,21 +39,22 @@ def workload(n: int = 6, **arrival: object) -> list[BenchRequest]:
 
 def qworker_system(tiny_llama, static_batch_size: int | None = None) -> QworkerEngineSystem:
     engine = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
-    system = QworkerEngineSystem("qworker", EngineConfig(model="tiny"), static_batch_size, 1, engine=engine)
+    system = QworkerEngineSystem("qworker", EngineConfig(model="tiny"), static_batch_size, engine=engine)
     system.prepare()
+    warm_up(system)
     return system
 
 
 def hf_system(tiny_llama, batch_size: int) -> HFGenerateSystem:
     system = HFGenerateSystem("hf", None, batch_size, dtype=torch.float32, model=tiny_llama, pad_token_id=0)
     system.prepare()
+    warm_up(system)
     return system
 
 
-def run(system, requests, max_concurrency=None, limits: RunLimits | None = None) -> RunResult:
-    limits = limits or RunLimits()
+def run(system, requests, max_concurrency=None, limits: RunLimits | None = None, **kwargs) -> RunResult:
     ticks: list[int] = []
-    result = system.run(requests, max_concurrency, limits, ticks.append)
+    result = run_system(system, requests, max_concurrency, limits, ticks.append, **kwargs)
     assert len(result.records) == len(requests)
     assert sum(ticks) == len(requests), "the progress bar must reach the total"
     assert {r.request_id for r in result.records} == {r.request_id for r in requests}

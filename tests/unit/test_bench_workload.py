@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,13 @@ from qworker.bench.workload import (
     WorkloadError,
     generate_requests,
     load_workload,
+    packaged_workloads,
     parse_workload,
     request_set_digest,
 )
 
 pytestmark = pytest.mark.timeout(60)
 
-SHARED_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"
 VOCAB = 49152
 
 
@@ -41,18 +42,28 @@ def spec_dict(**overrides: object) -> dict:
 
 
 @pytest.mark.parametrize("name", ["offline-mixed", "online-poisson", "shared-prefix"])
-def test_shared_workloads_parse_and_generate(name: str) -> None:
-    path = SHARED_WORKLOADS / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    spec = load_workload(path)
+def test_packaged_workloads_parse_and_generate(name: str) -> None:
+    """The specs ship as package data: a bare name loads them, and so does their file path."""
+    assert name in packaged_workloads()
+    spec = load_workload(name)
+    assert spec.name == name and load_workload(f"{name}.json") == spec
+    path = resources.files("qworker.bench") / "workloads" / f"{name}.json"
     raw = json.loads(path.read_text())
     requests = generate_requests(spec, VOCAB)
     assert len(requests) == raw["num_requests"]
-    assert requests == generate_requests(load_workload(path), VOCAB)
+    assert requests == generate_requests(load_workload(name), VOCAB)
     for r in requests:
         assert r.output_len >= 1 and r.prompt_len >= 1
         assert r.temperature == raw["temperature"] and r.ignore_eos is raw["ignore_eos"]
+
+
+def test_a_file_wins_over_a_packaged_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "offline-mixed").write_text(json.dumps(spec_dict(name="mine")))
+    monkeypatch.chdir(tmp_path)
+    assert load_workload("offline-mixed").name == "mine"
+    assert load_workload(tmp_path / "offline-mixed").name == "mine"
+    with pytest.raises(WorkloadError, match="packaged workload"):
+        load_workload("no-such-workload")
 
 
 def test_same_spec_same_requests_different_seed_different() -> None:
