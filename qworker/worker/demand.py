@@ -7,7 +7,8 @@ workers that serves them. Job counts are a poor signal for LLM work (ten 50-toke
     running demand  = sum over the jobs workers hold of the blocks they will reach: what they hold
                       now plus what they may still grow, up to max_tokens
     demand          = waiting demand + running demand
-    capacity        = one worker's KV pool, in blocks (its num_kv_blocks)
+    capacity        = one worker's KV pool, in blocks (its num_kv_blocks): configured, or as the
+                      live workers report it
     desired workers = 0 when nothing waits and nothing runs; else
                       max(1 if anything waits, ceil(demand / (capacity * target_utilization)))
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from qworker.engine.sampling_params import SamplingParams
@@ -39,22 +40,35 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class PoolSizing:
-    """What turns jobs into blocks and blocks into workers."""
+    """What turns jobs into blocks and blocks into workers. Every field is also a
+    `qworker metrics-exporter` option (qworker/cli_options.py)."""
 
-    # One worker's KV pool: the engine's num_kv_blocks (its start-up log line prints it).
-    capacity_blocks: int
-    block_size: int = 16
-    # Share of a worker's pool the pool should fill: below 1, so that running jobs have room to
-    # grow and new ones start at once.
-    target_utilization: float = 0.8
-    chars_per_token: float = 4.0
-    # A job that gives no max_tokens gets the engine's default.
-    default_max_tokens: int = SamplingParams.max_tokens
-    # Prompt plus max_tokens of a job whose body cannot be read.
-    mean_job_tokens: int = 512
+    capacity_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "One worker's KV pool in blocks: the workers' --num-kv-blocks (none: what live "
+            "workers report; while none has reported, 1 worker whenever any job waits)"
+        },
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV block: the workers' --block-size"})
+    # Below 1, so that running jobs have room to grow and new ones start at once.
+    target_utilization: float = field(
+        default=0.8, metadata={"help": "Share of each worker's KV pool the pool should fill, in (0, 1]"}
+    )
+    chars_per_token: float = field(
+        default=4.0, metadata={"help": "Characters per token, to size text prompts not yet tokenized"}
+    )
+    default_max_tokens: int = field(
+        default=SamplingParams.max_tokens,
+        metadata={"help": "max_tokens of a job that gives none: the engine's default"},
+    )
+    mean_job_tokens: int = field(
+        default=512,
+        metadata={"help": "Prompt plus max_tokens of a job whose body cannot be read (SQS before a receive)"},
+    )
 
     def __post_init__(self) -> None:
-        if self.capacity_blocks < 1:
+        if self.capacity_blocks is not None and self.capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
@@ -87,7 +101,8 @@ class PoolDemand:
 
     waiting: Work
     running: Work
-    capacity_blocks: int
+    # None: not known yet (not configured, and no worker has reported its pool).
+    capacity_blocks: int | None
     desired_workers: int
 
     @property
@@ -152,12 +167,18 @@ def desired_workers(
     return max(1, needed) if is_waiting else needed
 
 
-def pool_demand(waiting: Work, running: Work, sizing: PoolSizing) -> PoolDemand:
-    """The signal from the waiting and the running work. No job anywhere: 0 workers."""
-    desired = desired_workers(
-        (waiting + running).num_blocks,
-        sizing.capacity_blocks,
-        sizing.target_utilization,
-        is_waiting=waiting.num_jobs > 0,
-    )
-    return PoolDemand(waiting, running, sizing.capacity_blocks, desired)
+def pool_demand(
+    waiting: Work, running: Work, sizing: PoolSizing, capacity_blocks: int | None = None
+) -> PoolDemand:
+    """The signal from the waiting and the running work. No job anywhere: 0 workers. Capacity:
+    the configured one, else `capacity_blocks` (reported by the workers); with neither, a pool
+    with any job wants 1 worker, which will then report its capacity."""
+    capacity = sizing.capacity_blocks or capacity_blocks
+    total = waiting + running
+    if capacity is None:
+        desired = 1 if total.num_jobs > 0 else 0
+    else:
+        desired = desired_workers(
+            total.num_blocks, capacity, sizing.target_utilization, is_waiting=waiting.num_jobs > 0
+        )
+    return PoolDemand(waiting, running, capacity, desired)

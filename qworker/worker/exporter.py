@@ -77,7 +77,8 @@ class PoolMetrics:
         self.running_blocks.set(demand.running.num_blocks)
         self.waiting_jobs.set(demand.waiting.num_jobs)
         self.running_jobs.set(demand.running.num_jobs)
-        self.capacity_blocks.set(demand.capacity_blocks)
+        if demand.capacity_blocks is not None:
+            self.capacity_blocks.set(demand.capacity_blocks)
         self.desired_workers.set(demand.desired_workers)
         if num_workers is not None:
             self.workers.set(num_workers)
@@ -100,19 +101,23 @@ class PoolDemandReader:
         self.stats_redis = stats_redis
         self.stats_prefix = stats_prefix
         self.num_workers: int | None = None
+        # The pool size the live workers last reported, when none is configured.
+        self.reported_capacity_blocks: int | None = None
         self._warned_capacity: set[int] = set()
 
     def read(self) -> PoolDemand:
         reports = None
         if self.stats_redis is not None:
             reports = read_worker_reports(self.stats_redis, self.stats_prefix)
+            if reports:
+                self.reported_capacity_blocks = min(r.num_kv_blocks for r in reports)
             for report in reports:
-                if report.num_kv_blocks != self.sizing.capacity_blocks:
+                if self.sizing.capacity_blocks not in (None, report.num_kv_blocks):
                     self._warn_capacity(report.num_kv_blocks)
         work = self.backlog.read({r.name for r in reports} if reports is not None else None)
         running = running_work(reports) if reports is not None else work.in_flight
         self.num_workers = len(reports) if reports is not None else None
-        return pool_demand(work.waiting, running, self.sizing)
+        return pool_demand(work.waiting, running, self.sizing, self.reported_capacity_blocks)
 
     def _warn_capacity(self, num_kv_blocks: int) -> None:
         if num_kv_blocks in self._warned_capacity:
@@ -230,9 +235,9 @@ def run_metrics_exporter(
     state = HealthState(stall_timeout_s=max(60.0, 6 * interval_s))
     reader = open_pool_demand_reader(queue_url, sizing, stats_url=stats_url)
     logger.info(
-        "pool-demand exporter: queue %s, %d blocks per worker, target utilisation %.2f",
+        "pool-demand exporter: queue %s, %s blocks per worker, target utilisation %.2f",
         redact_url(queue_url),
-        sizing.capacity_blocks,
+        sizing.capacity_blocks or "(as reported)",
         sizing.target_utilization,
     )
     with HealthServer(metrics.registry, state, host=host, port=port) as server:

@@ -170,6 +170,16 @@ def test_redis_jobs_held_by_a_live_worker_count_as_running_from_its_report(new_u
         source.close()
 
 
+def test_redis_capacity_from_the_workers_reports_when_none_is_configured(new_url):
+    url = new_url()
+    send(url, [token_job(512)] * 4)  # 128 blocks
+    unsized = PoolSizing(capacity_blocks=None, target_utilization=1.0)
+    assert read(url, unsized).desired_workers == 1  # nobody reported a pool yet
+    _write_report(url, "w1", [])  # a 16-block pool
+    demand = read(url, unsized)
+    assert (demand.capacity_blocks, demand.desired_workers) == (16, 8)
+
+
 def test_redis_released_entries_wait_again_even_under_a_live_worker(new_url):
     url = new_url()
     send(url, [token_job(64)] * 3)

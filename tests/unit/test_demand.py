@@ -110,3 +110,18 @@ def test_celery_envelope_sizes_its_kwargs_job():
     # kombu's unacked hash keeps [envelope, exchange, routing_key].
     assert celery_envelope_blocks(json.dumps([json.loads(envelope), "qworker", "qworker"]), SIZING) == 2
     assert celery_envelope_blocks(b"garbage", SIZING) == 1
+
+
+def test_without_a_known_capacity_any_job_asks_for_one_worker():
+    sizing = PoolSizing(capacity_blocks=None)
+    assert pool_demand(Work(), Work(), sizing).desired_workers == 0
+    unknown = pool_demand(Work(50, 5000), Work(), sizing)
+    assert (unknown.capacity_blocks, unknown.desired_workers) == (None, 1)
+    # Once a worker reported its pool (100 blocks, at 80%): 5000 / 80.
+    reported = pool_demand(Work(50, 5000), Work(), sizing, capacity_blocks=100)
+    assert (reported.capacity_blocks, reported.desired_workers) == (100, 63)
+    # A configured capacity wins over a reported one.
+    assert (
+        pool_demand(Work(1, 10), Work(), PoolSizing(capacity_blocks=5), capacity_blocks=100).capacity_blocks
+        == 5
+    )
