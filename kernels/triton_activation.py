@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from qworker_kernels.constants import FLOAT_DTYPES
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
 
 
@@ -33,8 +33,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * I] (gate, then up) -> new tensor [..., I] = silu(gate) * up."""
     if x.dim() == 0 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x must be [..., 2 * I] with an even last dimension, got {tuple(x.shape)}")
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"x dtype must be one of {_SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
     if x.stride(-1) != 1 and x.shape[-1] > 1:
         raise ValueError(f"x must be contiguous in its last dimension, got strides {x.stride()}")
     intermediate = x.shape[-1] // 2

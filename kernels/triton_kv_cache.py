@@ -9,8 +9,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from qworker_kernels.constants import FLOAT_DTYPES
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+@triton.jit
+def _copy_token(src_ptr, stride_src_h, dst_ptr, stride_dst_h, offs_h, offs_d, mask):
+    # One token's [HEADS_PAD, HEAD_DIM_PAD] tile, heads strided, head_dim contiguous on both sides.
+    x = tl.load(src_ptr + offs_h[:, None] * stride_src_h + offs_d[None, :], mask=mask)
+    tl.store(dst_ptr + offs_h[:, None] * stride_dst_h + offs_d[None, :], x, mask=mask)
 
 
 @triton.jit
@@ -45,25 +51,23 @@ def _write_kv_cache_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
 
-    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    tl.store(
-        k_cache_ptr
-        + block_id * stride_kcb
-        + offset * stride_kcs
-        + offs_h[:, None] * stride_kch
-        + offs_d[None, :],
-        k,
-        mask=mask,
+    _copy_token(
+        k_ptr + token * stride_kt,
+        stride_kh,
+        k_cache_ptr + block_id * stride_kcb + offset * stride_kcs,
+        stride_kch,
+        offs_h,
+        offs_d,
+        mask,
     )
-    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(
-        v_cache_ptr
-        + block_id * stride_vcb
-        + offset * stride_vcs
-        + offs_h[:, None] * stride_vch
-        + offs_d[None, :],
-        v,
-        mask=mask,
+    _copy_token(
+        v_ptr + token * stride_vt,
+        stride_vh,
+        v_cache_ptr + block_id * stride_vcb + offset * stride_vcs,
+        stride_vch,
+        offs_h,
+        offs_d,
+        mask,
     )
 
 
@@ -88,8 +92,8 @@ def _check_args(
         raise ValueError(
             f"k's (num_kv_heads, head_dim) {tuple(k.shape[1:])} != the cache's {tuple(k_cache.shape[2:])}"
         )
-    if k.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {k.dtype}")
+    if k.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {k.dtype}")
     if not (v.dtype == k_cache.dtype == v_cache.dtype == k.dtype):
         raise ValueError(
             f"k, v, k_cache, v_cache dtypes differ: {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}"

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+from qworker_kernels.constants import FLOAT_DTYPES, is_triton_interpreter_enabled
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 # Split-K heuristics for decode: aim for this many programs per SM, and never make a split
 # shorter than this many context tokens (the reduce kernel and the extra partial writes cost
@@ -57,6 +56,66 @@ def _find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.con
         else:
             right = mid
     return left - 1
+
+
+@triton.jit
+def _attend_tile(
+    q,  # [M, HEAD_DIM_PAD]: M query rows that share one KV head
+    acc,  # [M, HEAD_DIM_PAD] fp32, unnormalized output so far
+    m_i,  # [M] fp32, running max of the base-2 scores
+    l_i,  # [M] fp32, running softmax denominator
+    offs_n,  # [TILE_N] context positions of this tile
+    n_valid,  # [TILE_N] positions inside the range this program reads
+    is_visible,  # [M, TILE_N] (or broadcastable) keys each row may attend to
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row,  # this sequence's row of the block table
+    kv_head,
+    offs_d,
+    d_valid,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+):
+    # One step of the online softmax over a tile of keys read through the block table.
+    # int64: block_id * stride_kb overflows int32 on caches over 2^31 elements.
+    block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    slot = offs_n % BLOCK_SIZE
+    k = tl.load(
+        k_cache_ptr
+        + block_ids[None, :] * stride_kb
+        + slot[None, :] * stride_ks
+        + kv_head * stride_kh
+        + offs_d[:, None],
+        mask=n_valid[None, :] & d_valid[:, None],
+        other=0.0,
+    )  # [HEAD_DIM_PAD, TILE_N]
+    s = _dot(q, k, DOT_MODE) * scale_log2  # [M, TILE_N] fp32
+    s = tl.where(is_visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet (padding rows, empty splits) keeps m = -inf; subtracting 0
+    # instead of -inf avoids NaN, and its p and alpha come out 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr
+        + block_ids[:, None] * stride_vb
+        + slot[:, None] * stride_vs
+        + kv_head * stride_vh
+        + offs_d[None, :],
+        mask=n_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [TILE_N, HEAD_DIM_PAD]
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -130,39 +189,13 @@ def _paged_attention_varlen_kernel(
     for start_n in range(0, kv_end, TILE_N):
         offs_n = start_n + tl.arange(0, TILE_N)
         n_valid = offs_n < kv_end
-        # int64: block_id * stride_kb overflows int32 on caches over 2^31 elements.
-        block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr
-            + block_ids[None, :] * stride_kb
-            + slot[None, :] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[:, None],
-            mask=n_valid[None, :] & d_valid[:, None],
-            other=0.0,
-        )  # [HEAD_DIM_PAD, TILE_N]
-        s = _dot(q, k, DOT_MODE) * scale_log2  # [BLOCK_M, TILE_N] fp32
-        is_visible = (offs_n[None, :] <= q_abs_pos[:, None]) & n_valid[None, :]
-        s = tl.where(is_visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing visible yet (padding rows) keeps m = -inf; subtracting 0 instead of
-        # -inf avoids NaN, and its p and alpha come out 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr
-            + block_ids[:, None] * stride_vb
-            + slot[:, None] * stride_vs
-            + kv_head * stride_vh
-            + offs_d[None, :],
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )  # [TILE_N, HEAD_DIM_PAD]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
-        m_i = m_new
+        is_visible = (offs_n[None, :] <= q_abs_pos[:, None]) & n_valid[None, :]  # [BLOCK_M, TILE_N]
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, offs_n, n_valid, is_visible,
+            k_cache_ptr, v_cache_ptr, block_table_row, kv_head, offs_d, d_valid, scale_log2,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, DOT_MODE,
+        )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
@@ -234,35 +267,13 @@ def _paged_decode_attention_kernel(
     for start_n in range(split_start, split_end, TILE_N):
         offs_n = start_n + tl.arange(0, TILE_N)
         n_valid = offs_n < split_end
-        block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr
-            + block_ids[None, :] * stride_kb
-            + slot[None, :] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[:, None],
-            mask=n_valid[None, :] & d_valid[:, None],
-            other=0.0,
-        )  # [HEAD_DIM_PAD, TILE_N]
-        s = _dot(q, k, DOT_MODE) * scale_log2  # [GROUP_PAD, TILE_N]
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr
-            + block_ids[:, None] * stride_vb
-            + slot[:, None] * stride_vs
-            + kv_head * stride_vh
-            + offs_d[None, :],
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )  # [TILE_N, HEAD_DIM_PAD]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
-        m_i = m_new
+        # One query token per sequence: every key of the split is visible to every row.
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, offs_n, n_valid, n_valid[None, :],
+            k_cache_ptr, v_cache_ptr, block_table_row, kv_head, offs_d, d_valid, scale_log2,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, DOT_MODE,
+        )  # fmt: skip
 
     is_empty = l_i == 0.0  # a split past the end of a short sequence
     o = acc / tl.where(is_empty, 1.0, l_i)[:, None]
@@ -319,7 +330,7 @@ def _paged_decode_reduce_kernel(
 
 
 def _is_interpreting(device: torch.device) -> bool:
-    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return device.type != "cuda" or is_triton_interpreter_enabled()
 
 
 def _dot_mode(dtype: torch.dtype, device: torch.device) -> int:
@@ -359,8 +370,8 @@ def _check_cache_args(
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype must be one of {_SUPPORTED_DTYPES}, got {q.dtype}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q dtype must be one of {FLOAT_DTYPES}, got {q.dtype}")
     if k_cache.dim() != 4:
         raise ValueError(
             "k_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], "

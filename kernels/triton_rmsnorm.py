@@ -6,10 +6,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from qworker_kernels.constants import FLOAT_DTYPES
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The plain-torch twins live in a triton-free module (the model's torch backend uses them too).
+from qworker_kernels.rmsnorm_reference import fused_add_rms_norm_reference, rms_norm_reference
+
+__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
+
 # One program holds a whole row in registers; wider rows than this would spill.
 _MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _store_normed_row(out_row_ptr, x, weight_ptr, offs, mask, eps, HIDDEN: tl.constexpr):
+    # x: [BLOCK] fp32 holding a row of the input dtype (0 past HIDDEN); out row: weight * norm(x).
+    variance = tl.sum(x * x, 0) / HIDDEN
+    normed = (x * tl.rsqrt(variance + eps)).to(out_row_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    # HF multiplies in the input dtype: the product of the two rounded values, rounded once.
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_row_ptr + offs, y.to(out_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -27,12 +43,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    variance = tl.sum(x * x, 0) / HIDDEN
-    normed = (x * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    # HF multiplies in the input dtype: the product of the two rounded values, rounded once.
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normed_row(out_ptr + row * stride_out, x, weight_ptr, offs, mask, eps, HIDDEN)
 
 
 @triton.jit
@@ -58,12 +69,7 @@ def _fused_add_rms_norm_kernel(
     # The model adds in its dtype, so the norm sees the rounded sum, as the unfused HF code does.
     summed = (x + r).to(residual_out_ptr.dtype.element_ty)
     tl.store(residual_out_ptr + row * stride_residual_out + offs, summed, mask=mask)
-    s = summed.to(tl.float32)
-    variance = tl.sum(s * s, 0) / HIDDEN
-    normed = (s * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normed_row(out_ptr + row * stride_out, summed.to(tl.float32), weight_ptr, offs, mask, eps, HIDDEN)
 
 
 def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -76,8 +82,8 @@ def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_common(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    if x.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"x dtype must be one of {_SUPPORTED_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() == 0 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"weight must be [hidden={x.shape[-1] if x.dim() else '?'}], got {tuple(weight.shape)}"
@@ -144,18 +150,3 @@ def fused_add_rms_norm(
         HIDDEN=hidden, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return out, residual_out
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm.forward."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unfused: the residual add in the model dtype, then HF LlamaRMSNorm."""
-    residual_out = x + residual
-    return rms_norm_reference(residual_out, weight, eps), residual_out

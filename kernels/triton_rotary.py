@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from qworker_kernels.constants import FLOAT_DTYPES
 
 
 @triton.jit
@@ -79,8 +78,8 @@ def _check_args(
         )
     if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in num_tokens or head_dim")
-    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype:
-        raise ValueError(f"q and k must share a dtype in {_SUPPORTED_DTYPES}, got {q.dtype} and {k.dtype}")
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"q and k must share a dtype in {FLOAT_DTYPES}, got {q.dtype} and {k.dtype}")
     if positions.dim() != 1 or positions.shape[0] != q.shape[0]:
         raise ValueError(f"positions must be [num_tokens={q.shape[0]}], got {tuple(positions.shape)}")
     if positions.dtype != torch.int64:

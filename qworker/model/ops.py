@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from qworker_kernels.rmsnorm_reference import fused_add_rms_norm_reference, rms_norm_reference
 
 
 @dataclass(frozen=True)
@@ -33,22 +34,6 @@ class ModelOps:
     ]
     # x [T, 2 * I] (gate, then up) -> silu(gate) * up [T, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers' LlamaRMSNorm, for token-exact parity.
-    input_dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(input_dtype)
-
-
-def fused_add_rms_norm_torch(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # transformers adds in the model dtype, then normalizes the rounded sum.
-    summed = x + residual
-    return rms_norm_torch(summed, weight, eps), summed
 
 
 def apply_rotary_torch(
@@ -73,8 +58,9 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 
 TORCH_OPS = ModelOps(
     name="torch",
-    rms_norm=rms_norm_torch,
-    fused_add_rms_norm=fused_add_rms_norm_torch,
+    # Same order of operations as transformers' LlamaRMSNorm, for token-exact parity.
+    rms_norm=rms_norm_reference,
+    fused_add_rms_norm=fused_add_rms_norm_reference,
     apply_rotary=apply_rotary_torch,
     silu_and_mul=silu_and_mul_torch,
 )

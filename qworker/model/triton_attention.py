@@ -7,9 +7,8 @@ a decode step through this backend can be captured in a CUDA graph (qworker.engi
 
 from __future__ import annotations
 
-import os
-
 import torch
+from qworker_kernels.constants import is_triton_interpreter_enabled
 
 from qworker.model.attention import AttentionMetadata
 
@@ -20,8 +19,7 @@ class TritonAttentionBackend:
     supports_cuda_graphs = True
 
     def __init__(self, device: torch.device | None = None) -> None:
-        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        if device is not None and device.type != "cuda" and not interpreting:
+        if device is not None and device.type != "cuda" and not is_triton_interpreter_enabled():
             raise ValueError(
                 f"the Triton attention backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1 "
                 f"(set before triton is imported); the device is {device}"

@@ -1,7 +1,8 @@
 """Token-exact greedy parity with transformers on the real SmolLM2-135M-Instruct, in float32.
 
-Each engine configuration of the engine issue's acceptance list runs the same 12 prompts (raw and
-chat-formatted, from 3 to over 1,000 tokens) and must reproduce transformers' `generate`.
+Each engine configuration below (defaults, every prompt chunked, preemption, block sizes 1 to 32,
+requests joining mid-decode) runs the same 12 prompts (raw and chat-formatted, from 3 to over
+1,000 tokens) and must reproduce transformers' `generate`.
 """
 
 from __future__ import annotations

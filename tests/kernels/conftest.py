@@ -2,36 +2,21 @@
 
 Without a GPU the kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET when a
 function is decorated (its own standard library at `import triton`, our kernels when their module
-loads), not per launch, so the variable is set here: pytest imports this conftest before any test
-module of this folder, and the test modules load the kernel files afresh by path after that. Each
-test module repeats the assignment so that it also holds when run on its own.
+is imported), not per launch, so the variable is set here: pytest imports this conftest before any
+test module of this folder, and the test modules import `qworker_kernels.*` after that.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-
-
-def load_kernel_module(name: str) -> ModuleType:
-    """Load kernels/<name>.py afresh by path, after TRITON_INTERPRET is set (see the docstring)."""
-    path = Path(__file__).resolve().parents[2] / "kernels" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rewrap_triton_stdlib_for_interpreter() -> None:
@@ -57,28 +42,27 @@ def _rewrap_triton_stdlib_for_interpreter() -> None:
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     _rewrap_triton_stdlib_for_interpreter()
-
-KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+    # A kernel module imported before this point holds compiled-mode kernels: import it again.
+    for _name in [name for name in sys.modules if name.startswith("qworker_kernels.triton_")]:
+        del sys.modules[_name]
 
 # Runs in a fresh interpreter: once `import triton` has happened under TRITON_INTERPRET=1, even
 # tl.cdiv and tl.max are interpreter functions and the real compiler cannot be used in-process.
 _COMPILE_SCRIPT = r"""
-import importlib.util, json, re, subprocess, sys, tempfile, types
+import importlib, json, re, subprocess, sys, tempfile, types
 from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
-path, specs = sys.argv[1], json.loads(sys.stdin.read())
-# The kernel module imports torch only for its launchers; a stub saves the ~5 s torch import.
+module_name, specs = sys.argv[1], json.loads(sys.stdin.read())
+# The kernel modules import torch only for their launchers and dtype tables; a stub saves the
+# ~5 s torch import.
 class _TorchStub(types.ModuleType):
     def __getattr__(self, name):
         return name
 sys.modules["torch"] = _TorchStub("torch")
-spec = importlib.util.spec_from_file_location("_sm90_kernels", path)
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
+module = importlib.import_module(f"qworker_kernels.{module_name}")
 cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 results = []
 for s in specs:
@@ -137,7 +121,7 @@ def compile_for_sm90() -> Callable[[str, list[dict[str, Any]]], list[dict[str, A
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a triton 3.9 warning
         proc = subprocess.run(
-            [sys.executable, "-c", _COMPILE_SCRIPT, str(KERNELS_DIR / f"{module_name}.py")],
+            [sys.executable, "-c", _COMPILE_SCRIPT, module_name],
             input=json.dumps(full_specs),
             capture_output=True,
             text=True,

@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+import qworker_kernels.cpu_paged_attention as cpa
 import torch
 
-KERNEL_PATH = Path(__file__).resolve().parents[2] / "kernels" / "cpu_paged_attention.py"
-
-
-def _load_module() -> ModuleType:
-    try:
-        return importlib.import_module("qworker_kernels.cpu_paged_attention")
-    except ImportError:  # not installed yet: load the file itself (it has no relative imports)
-        spec = importlib.util.spec_from_file_location("cpu_paged_attention", KERNEL_PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-
-cpa = _load_module()
 needs_kernel = pytest.mark.skipif(not cpa.is_available(), reason="no C compiler: C kernel not built")
 
 Attention = Callable[..., torch.Tensor]
@@ -234,15 +216,7 @@ def test_padding_entries_are_ignored(fn: Attention) -> None:
     torch.testing.assert_close(fn(q, k, v, bt, sl, 0.1), expected)
 
 
-_BUILD_SCRIPT = textwrap.dedent(
-    """
-    import importlib.util, sys
-    spec = importlib.util.spec_from_file_location("cpu_paged_attention", sys.argv[1])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    print(module.is_available())
-    """
-)
+_BUILD_SCRIPT = "import qworker_kernels.cpu_paged_attention as m; print(m.is_available())"
 
 
 @needs_kernel
@@ -253,7 +227,7 @@ def test_concurrent_first_builds_share_one_cache(tmp_path: Path) -> None:
     env = {**os.environ, "QWORKER_CACHE_DIR": str(tmp_path)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _BUILD_SCRIPT, str(KERNEL_PATH)],
+            [sys.executable, "-c", _BUILD_SCRIPT],
             env=env,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,22 +1,12 @@
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated; see conftest.py
-
-
+# TRITON_INTERPRET is set by conftest.py (on machines without a GPU) before this imports a kernel.
 import pytest
+import qworker_kernels.triton_activation as act
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernels.conftest import load_kernel_module
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(60)
-
-
-act = load_kernel_module("triton_activation")
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

@@ -1,21 +1,15 @@
 """The engine on the Triton backend (attention, KV write, RMSNorm, rotary, SiLU-and-mul kernels)
 gives the same greedy tokens as on the torch backend, on a tiny random Llama.
 
-Without a GPU the engine runs on the CPU and the kernels under TRITON_INTERPRET=1 (set here and
-in conftest.py before triton is imported), where every program is numpy code: the model and the
+Without a GPU the engine runs on the CPU and the kernels under TRITON_INTERPRET=1 (set by
+conftest.py before any kernel is imported), where every program is numpy code: the model and the
 prompts are kept tiny. With a GPU the same tests run the engine on CUDA, CUDA graphs included.
 """
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated; see conftest.py
 
 import random
 
 import pytest
+import torch
 
 from qworker.engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy, run_to_completion, tiny_engine, tiny_hf_model

@@ -1,20 +1,10 @@
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated; see conftest.py
-
-
+# TRITON_INTERPRET is set by conftest.py (on machines without a GPU) before this imports a kernel.
 import pytest
-
-from tests.kernels.conftest import load_kernel_module
+import qworker_kernels.triton_kv_cache as kv
+import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(60)
-
-
-kv = load_kernel_module("triton_kv_cache")
 
 
 def make_caches(

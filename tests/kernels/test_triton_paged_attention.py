@@ -1,23 +1,14 @@
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated; see conftest.py
-
+# TRITON_INTERPRET is set by conftest.py (on machines without a GPU) before this imports a kernel.
 from dataclasses import dataclass
 
 import pytest
+import qworker_kernels.triton_paged_attention as pa
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernels.conftest import load_kernel_module
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(120)
-
-
-pa = load_kernel_module("triton_paged_attention")
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

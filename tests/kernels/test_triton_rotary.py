@@ -1,20 +1,10 @@
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated; see conftest.py
-
-
+# TRITON_INTERPRET is set by conftest.py (on machines without a GPU) before this imports a kernel.
 import pytest
-
-from tests.kernels.conftest import load_kernel_module
+import qworker_kernels.triton_rotary as rot
+import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(60)
-
-
-rot = load_kernel_module("triton_rotary")
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
