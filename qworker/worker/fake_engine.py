@@ -4,8 +4,10 @@ Each running request emits one token per step, taken from its script (by default
 a..z over and over), and finishes at `max_tokens` ("length") or when its script ends ("stop").
 Tokens are UTF-8 bytes (a vocabulary of 256), so a token's text is its byte. KV blocks are
 accounted like the real engine's, closely enough for admission: a request holds
-ceil(tokens / block_size) blocks while it runs, waits while its prompt does not fit, and stalls
-(emits nothing that step) when it cannot grow.
+ceil((tokens + 1) / block_size) blocks while it runs and waits while that does not fit; when a
+running request cannot grow, the newest running one is preempted (its blocks freed, its output
+kept, back to the head of the waiting line), and a request that alone fills the cache finishes
+with "length".
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from typing import Any
 
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
-from qworker.engine.kv_cache_manager import cdiv
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.utils import cdiv
 
 VOCAB_SIZE = 256
-DEFAULT_SCRIPT = list(b"abcdefghijklmnopqrstuvwxyz")
+DEFAULT_SCRIPT = list(b"abcdefghijklmnopqrstuvwxyz") * 10
 
 # (request id, prompt token ids) -> the tokens the request emits, one per step.
 Script = Callable[[str, list[int]], list[int]]
@@ -158,8 +160,8 @@ class FakeEngine:
         return bool(self._waiting or self._running)
 
     @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._waiting) + len(self._running)
+    def num_running(self) -> int:
+        return len(self._running)
 
     def kv_stats(self) -> KVCacheStats:
         num_used = sum(r.num_blocks for r in self._running)
@@ -191,14 +193,26 @@ class FakeEngine:
             self._running.append(request)
         outputs = []
         for request in list(self._running):
+            if request not in self._running:
+                continue  # preempted earlier in this step
             # Room for the token after this one, as the real scheduler reserves a slot.
-            num_blocks = cdiv(request.num_tokens + 1, self.config.block_size)
-            if num_blocks > request.num_blocks:
-                if num_blocks - request.num_blocks > self.kv_stats().num_free_blocks:
-                    continue
-                request.num_blocks = num_blocks
+            num_needed = cdiv(request.num_tokens + 1, self.config.block_size) - request.num_blocks
+            while num_needed > self.kv_stats().num_free_blocks and self._running[-1] is not request:
+                self._preempt(self._running[-1])
+            if num_needed > self.kv_stats().num_free_blocks:
+                if len(self._running) == 1:
+                    outputs.append(self._finish(request, "length", [], now))
+                else:
+                    self._preempt(request)
+                continue
+            request.num_blocks += max(0, num_needed)
             outputs.append(self._emit(request, now))
         return outputs
+
+    def _preempt(self, request: _FakeRequest) -> None:
+        self._running.remove(request)
+        request.num_blocks = 0
+        self._waiting.insert(0, request)
 
     def _emit(self, request: _FakeRequest, now: float) -> StepOutput:
         token_id = request.script[len(request.output_token_ids)]
@@ -210,14 +224,18 @@ class FakeEngine:
             request.finish_reason = "length"
         elif num_output_tokens >= len(request.script):
             request.finish_reason = "stop"
-        text = bytes([token_id]).decode(errors="replace")
-        step_output = StepOutput(request.request_id, [token_id], text, request.finish_reason is not None)
         if request.finish_reason is not None:
-            self._running.remove(request)
-            request.metrics.finished_time = now
-            step_output.finish_reason = request.finish_reason
-            step_output.output = self._output(request)
-        return step_output
+            return self._finish(request, request.finish_reason, [token_id], now)
+        return StepOutput(request.request_id, [token_id], bytes([token_id]).decode(errors="replace"), False)
+
+    def _finish(
+        self, request: _FakeRequest, finish_reason: str, new_token_ids: list[int], now: float
+    ) -> StepOutput:
+        self._running.remove(request)
+        request.finish_reason = finish_reason
+        request.metrics.finished_time = now
+        text = bytes(new_token_ids).decode(errors="replace")
+        return StepOutput(request.request_id, new_token_ids, text, True, finish_reason, self._output(request))
 
     def _output(self, request: _FakeRequest) -> RequestOutput:
         completion = CompletionOutput(

@@ -1,5 +1,5 @@
-"""End to end on SmolLM2 (issue 3 acceptance 1 and 2): 50 jobs through Redis give exactly the text
-LLM.generate gives, and streamed deltas join to the final text. One engine serves both sides."""
+"""End to end on SmolLM2: 50 jobs through Redis give exactly the text LLM.generate gives, and
+streamed deltas join to the final text. One engine serves both sides."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Faults with real worker processes (issue 3 acceptance 3 and 4): SIGKILL loses nothing, SIGTERM
-drains and hands the rest to a peer. Workers run `python -m qworker.cli worker` on a tiny random
-model with the SmolLM2 tokenizer."""
+"""Faults with real worker processes: SIGKILL loses nothing, SIGTERM drains and hands the rest to
+a peer. Workers run `python -m qworker.cli worker` on a tiny random model with the SmolLM2
+tokenizer."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Worker lifecycle against a real Redis server, in-process, on a tiny random model with the
 SmolLM2 tokenizer: streaming, poison input, deadlines, TTL, cancel, redelivery, dead letters,
-admission. (Issue 3 acceptance 2, 5, 6 and 7.)"""
+admission. The same paths run without a model or Redis in tests/unit/test_worker_loop.py."""
 
 from __future__ import annotations
 

@@ -200,13 +200,13 @@ def test_redis_parameters_pass_through_to_redis_py():
 
 
 def test_unknown_parameters_of_other_backends():
-    with pytest.raises(InvalidURLError, match="'socket_timeout'.*kombu's: ssl_\\*"):
+    with pytest.raises(InvalidURLError, match=r"'socket_timeout'.*kombu's: ssl_\*"):
         open_source("celery+redis://127.0.0.1:6379/0?socket_timeout=3", consumer="c")
     with pytest.raises(InvalidURLError, match="'quue'"):
         open_sink("celery+redis://127.0.0.1:6379/0?quue=q")
     with pytest.raises(InvalidURLError, match="'bucket_region'"):
         open_sink(f"s3://bucket/prefix?{AWS}&bucket_region=x")
-    with pytest.raises(InvalidURLError, match="'sream'.*lease_timeout_s"):
+    with pytest.raises(InvalidURLError, match=r"'sream'.*lease_timeout_s"):
         open_source("memory://q?sream=x", consumer="c")
     with pytest.raises(InvalidURLError, match="is not a number"):
         open_source("memory://q?lease_timeout_s=soon", consumer="c")

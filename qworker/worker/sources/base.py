@@ -6,12 +6,16 @@ retry). While a job runs, the worker extends its lease so that peers do not take
 that is neither acked nor extended expires, and the queue hands the message out again; that is
 how a killed worker loses nothing.
 
-Redis Streams, SQS and Celery (over a broker) all map onto this:
-- lease:       XREADGROUP + XAUTOCLAIM  | ReceiveMessage            | basic_get without ack
-- extend:      XCLAIM JUSTID (idle=0)   | ChangeMessageVisibility   | (broker holds it while connected)
-- ack:         XACK                     | DeleteMessage             | basic_ack
-- release:     set idle past the lease  | ChangeMessageVisibility 0 | basic_reject(requeue=True)
-- dead_letter: XADD to a dead stream    | SendMessage to the DLQ    | publish to a dead-letter queue
+Redis Streams, SQS and Celery (kombu's Redis transport) all map onto this; so does the in-memory
+queue of tests (sources/memory.py):
+- lease:       XAUTOCLAIM + XREADGROUP | ReceiveMessage              | RPOP into kombu's unacked hash,
+                                                                       expired ones restored first
+- extend:      XCLAIM JUSTID (idle=0)  | ChangeMessageVisibility     | reset the unacked-index time,
+                                                                       only while still ours (Lua)
+- ack:         XACK + XDEL             | DeleteMessage               | basic_ack
+- release:     idle set past the lease | ChangeMessageVisibility 0   | basic_reject(requeue=True)
+- dead_letter: XADD to a dead stream   | SendMessage to the DLQ      | LPUSH envelope + reason to
+                                                                       `{queue}.dead`, then ack
 """
 
 from __future__ import annotations
