@@ -73,6 +73,24 @@ def run_to_completion(engine) -> dict[str, object]:
     raise AssertionError("engine did not finish")
 
 
+def run_with_staggered_arrivals(
+    engine, prompts: list[list[int]], params, steps_between: int
+) -> list[list[int]]:
+    """Add one prompt, run `steps_between` steps, add the next, ... then run to the end: requests
+    join while others decode. Returns each prompt's output token ids, in prompt order."""
+    outputs: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        for _ in range(steps_between):
+            for step_output in engine.step():
+                if step_output.finished:
+                    outputs[step_output.request_id] = step_output.output.outputs[0].token_ids
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_hf_model("llama")

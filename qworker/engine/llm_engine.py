@@ -69,7 +69,7 @@ class LLMEngine:
             self.model_config,
             self.max_model_len,
             state_dict=state_dict,
-            eos_token_ids=sorted(self.eos_token_ids),
+            eos_token_ids=self.eos_token_ids,
         )
         self.kv_cache_manager = KVCacheManager(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(

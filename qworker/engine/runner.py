@@ -4,7 +4,7 @@ by replaying a decode CUDA graph) and samples the next tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,7 +93,7 @@ class ModelRunner:
         max_model_len: int,
         *,
         state_dict: dict[str, torch.Tensor] | None = None,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

@@ -1,6 +1,6 @@
-"""The model's elementwise ops, chosen once when the engine is built: plain torch (token-exact with
-transformers, used on CPU) or the fused Triton kernels of `qworker_kernels` (with the Triton
-attention backend, i.e. on CUDA, or on CPU under TRITON_INTERPRET=1 for tests).
+"""The model's elementwise ops, chosen once when the runner builds the model: plain torch
+(token-exact with transformers, used on CPU) or the fused Triton kernels of `qworker_kernels` (with
+the Triton attention backend, i.e. on CUDA, or on CPU under TRITON_INTERPRET=1 for tests).
 
 The model calls `ops.<name>(...)` and never branches on the device per call.
 """

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qworker import LLM, SamplingParams
+from tests.conftest import run_with_staggered_arrivals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -119,17 +120,7 @@ def test_e_requests_join_mid_decode(prompt_ids, expected):
     llm = LLM("smollm2", dtype="float32", num_kv_blocks=400, max_num_batched_tokens=256)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompt_ids))
-    while pending or engine.has_unfinished_requests():
-        if pending:
-            i, ids = pending.pop(0)
-            engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
-        for _ in range(2):
-            for so in engine.step():
-                if so.finished:
-                    got[so.request_id] = so.output.outputs[0].token_ids
-    assert [got[f"r{i}"] for i in range(len(prompt_ids))] == expected
+    assert run_with_staggered_arrivals(engine, prompt_ids, params, steps_between=2) == expected
 
 
 def test_text_and_chat_api(prompt_ids, expected):

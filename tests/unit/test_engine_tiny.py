@@ -9,7 +9,13 @@ import torch
 
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidParamsError, InvalidRequestError, PromptTooLongError
-from tests.conftest import hf_greedy, run_to_completion, tiny_engine, tiny_hf_model
+from tests.conftest import (
+    hf_greedy,
+    run_to_completion,
+    run_with_staggered_arrivals,
+    tiny_engine,
+    tiny_hf_model,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,17 +78,7 @@ def test_preemption_gives_the_same_tokens(tiny_llama, references) -> None:
 def test_requests_join_mid_decode(tiny_llama, references) -> None:
     engine = tiny_engine(tiny_llama, max_num_batched_tokens=8)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = {}
-    pending = list(enumerate(prompts()))
-    while pending or engine.has_unfinished_requests():
-        if pending:
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
-        for _ in range(3):
-            for so in engine.step():
-                if so.finished:
-                    outs[so.request_id] = so.output.outputs[0].token_ids
-    assert [outs[f"r{i}"] for i in range(len(references))] == references
+    assert run_with_staggered_arrivals(engine, prompts(), sp, steps_between=3) == references
 
 
 @pytest.mark.parametrize(
