@@ -4,7 +4,16 @@
 #   scripts/gpu_check.sh [OUT_DIR] [extra gpu_check.py args]   # default OUT_DIR: ./gpu_out
 #   scripts/gpu_check.sh /tmp/smoke --cpu-smoke                 # the same stages, tiny, on the CPU
 #
-# Needs only torch, triton and transformers (no `pip install`: the repository goes on PYTHONPATH).
+# Needs only torch, triton, transformers and numpy, plus pip and setuptools to install this working
+# tree. The GPU machine has no package index and none of qworker's other dependencies, so the tree
+# is installed the way any machine would get it, as a package, but without dependencies and
+# without the network (`pip install --no-deps --no-index --no-build-isolation`) into a throwaway
+# folder put first on PYTHONPATH: kernels/ is imported as qworker_kernels and the workload specs
+# are found as package data exactly as in an installed qworker, nothing on the machine changes,
+# and this working tree is what runs even where another qworker is installed. setuptools builds
+# it in-tree (build/ and *.egg-info/, both git-ignored). Without pip or setuptools the script
+# stops at once and says so (exit 3), before any stage runs.
+#
 # Writes OUT_DIR/gpu_check.json, OUT_DIR/gpu_check.md, OUT_DIR/bench_kernels.{json,log} and
 # OUT_DIR/gpu_check.log. The whole run is held under 8 minutes: the Python script stops starting
 # work after --budget-s (default 420 s) and this wrapper kills it at 470 s.
@@ -17,13 +26,20 @@ PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 
-# The import name of kernels/ is qworker_kernels (pyproject's package-dir); without an install, a
-# symlink under that name provides it. PYTHONPATH comes before site-packages, so this working
-# tree is what runs even where qworker is installed.
-SHIM=$(mktemp -d)
-trap 'rm -rf "$SHIM"' EXIT
-ln -s "$REPO/kernels" "$SHIM/qworker_kernels"
-export PYTHONPATH="$REPO:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+if ! "$PYTHON" -c 'import importlib.util as u; assert u.find_spec("pip") and u.find_spec("setuptools")' 2>/dev/null; then
+    echo "gpu_check: $PYTHON has no pip or no setuptools; both are needed to install $REPO" \
+        "(without dependencies, offline). Run with PYTHON=<an interpreter that has them>." >&2
+    exit 3
+fi
+if ! "$PYTHON" -m pip install --quiet --no-deps --no-index --no-build-isolation --target "$SITE" "$REPO" \
+    >"$OUT_DIR/install.log" 2>&1; then
+    cat "$OUT_DIR/install.log" >&2
+    echo "gpu_check: could not install $REPO into $SITE (log above, also in $OUT_DIR/install.log)." >&2
+    exit 3
+fi
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 
 cd "$REPO"

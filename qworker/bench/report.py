@@ -14,7 +14,8 @@ from typing import Any
 BREAK_TTFT_S = 10.0
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def format_number(value: Any, digits: int = 1) -> str:
+    """A table cell: `digits` decimals below 100, thousands separators above, – for None."""
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -27,7 +28,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def _ms_pair(summary: dict[str, Any], metric: str, stats: Sequence[str]) -> str:
-    return " / ".join(_fmt(summary.get(f"{s}_{metric}_ms")) for s in stats)
+    return " / ".join(format_number(summary.get(f"{s}_{metric}_ms")) for s in stats)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -169,11 +170,11 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
         [
             rs["rate_label"],
             str(rs["num_requests"]),
-            _fmt(rs["mean_prompt_len"]),
+            format_number(rs["mean_prompt_len"]),
             str(rs["max_prompt_len"]),
-            _fmt(rs["mean_output_len"]),
+            format_number(rs["mean_output_len"]),
             str(rs["max_output_len"]),
-            _fmt(rs["last_arrival_s"]),
+            format_number(rs["last_arrival_s"]),
             f"`{rs['sha256'][:16]}`",
             f"`{rs['sha256_without_arrivals'][:16]}`",
         ]
@@ -218,16 +219,16 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             run["rate_label"],
             f"{s['completed']}/{s['num_prompts']}",
             f"{s['failed']} ({s['timed_out']})",
-            _fmt(s["request_throughput"], 2),
-            _fmt(s["output_throughput"]),
-            _fmt(s["total_token_throughput"]),
+            format_number(s["request_throughput"], 2),
+            format_number(s["output_throughput"]),
+            format_number(s["total_token_throughput"]),
             _ms_pair(s, "ttft", ["mean", "median", *pkeys]),
             _ms_pair(s, "tpot", ["median", pkeys[-1]]),
             _ms_pair(s, "itl", ["median", pkeys[-1]]),
             _ms_pair(s, "e2el", ["median", pkeys[-1]]),
         ]
         if slo:
-            row.append(_fmt(s.get("request_goodput"), 2))
+            row.append(format_number(s.get("request_goodput"), 2))
         rows.append(row)
     lines += markdown_table(header, rows)
     if slo:
@@ -247,11 +248,11 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             [
                 c["name"],
                 c["rate_label"],
-                _fmt(c["output_throughput_x"], 2) + ("" if c["both_clean"] else " *"),
-                _fmt(c["request_throughput_x"], 2),
-                _fmt(c["p99_ttft_speedup"], 2),
-                _fmt(c["p99_itl_speedup"], 2),
-                _fmt(c["p99_e2el_speedup"], 2),
+                format_number(c["output_throughput_x"], 2) + ("" if c["both_clean"] else " *"),
+                format_number(c["request_throughput_x"], 2),
+                format_number(c["p99_ttft_speedup"], 2),
+                format_number(c["p99_itl_speedup"], 2),
+                format_number(c["p99_e2el_speedup"], 2),
             ]
             for c in comps
         ]
@@ -275,8 +276,8 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             [
                 s["name"],
                 ", ".join(f"{r:g}" for r in s["rates"]),
-                _fmt(s["max_sustained_rate"], 2) if s["max_sustained_rate"] is not None else "none",
-                _fmt(s["first_rate_p99_ttft_over_break"], 2)
+                format_number(s["max_sustained_rate"], 2) if s["max_sustained_rate"] is not None else "none",
+                format_number(s["first_rate_p99_ttft_over_break"], 2)
                 if s["first_rate_p99_ttft_over_break"] is not None
                 else "not within the sweep",
             ]
@@ -291,7 +292,7 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                 ratio = _ratio(s["max_sustained_rate"], base["max_sustained_rate"])
                 lines.append("")
                 lines.append(
-                    f"{s['name']} sustains {_fmt(ratio, 2)}× the rate {base['name']} sustains."
+                    f"{s['name']} sustains {format_number(ratio, 2)}× the rate {base['name']} sustains."
                     if ratio is not None
                     else f"{s['name']} against {base['name']}: no ratio (one of them sustained no rate "
                     "in this sweep)."
@@ -316,12 +317,12 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                     run["name"],
                     run["rate_label"],
                     f"{kv['peak_kv_blocks_used']} / {kv['num_total_kv_blocks']} "
-                    f"({_fmt(kv['peak_kv_usage_pct'])}%)",
+                    f"({format_number(kv['peak_kv_usage_pct'])}%)",
                     str(kv["peak_num_running"]),
-                    _fmt(kv["kv_waste_pct"], 2),
-                    _fmt(kv["contiguous_waste_pct"]),
-                    _fmt(kv["max_model_len_waste_pct"]),
-                    _fmt(kv["contiguous_to_paged_slots"], 2),
+                    format_number(kv["kv_waste_pct"], 2),
+                    format_number(kv["contiguous_waste_pct"]),
+                    format_number(kv["max_model_len_waste_pct"]),
+                    format_number(kv["contiguous_to_paged_slots"], 2),
                     str(kv["num_preemptions"]),
                 ]
             )
@@ -363,10 +364,10 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                 [
                     q["system"],
                     q["rate_label"],
-                    _fmt(_ratio(qs["output_throughput"], es["output_throughput"]), 2),
-                    _fmt(_diff(qs["median_ttft_ms"], es["median_ttft_ms"])),
-                    _fmt(_diff(qs["p99_ttft_ms"], es["p99_ttft_ms"])),
-                    _fmt(_diff(qs["median_itl_ms"], es["median_itl_ms"])),
+                    format_number(_ratio(qs["output_throughput"], es["output_throughput"]), 2),
+                    format_number(_diff(qs["median_ttft_ms"], es["median_ttft_ms"])),
+                    format_number(_diff(qs["p99_ttft_ms"], es["p99_ttft_ms"])),
+                    format_number(_diff(qs["median_itl_ms"], es["median_itl_ms"])),
                 ]
             )
         if pair_rows:
