@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from qworker.bench.command import bench
-from qworker.cli_options import engine_options, worker_options
+from qworker.cli_options import config_options, engine_options, worker_options
 from qworker.config import EngineConfig
+from qworker.worker.demand import PoolSizing
+from qworker.worker.exporter import DEFAULT_EXPORTER_PORT, DEFAULT_INTERVAL_S
 from qworker.worker.settings import WorkerSettings
 
 # Plain click help, not typer's rich panels: rich crops option names to fit its table
@@ -28,14 +33,54 @@ app = typer.Typer(
     context_settings={"max_content_width": HELP_WIDTH},
 )
 
+# URLs may carry passwords: from the environment or a file they stay out of the process list.
+QUEUE_URL_ENV = "QWORKER_QUEUE_URL"
+RESULTS_URL_ENV = "QWORKER_RESULTS_URL"
+STATS_URL_ENV = "QWORKER_STATS_URL"
+
 QueueOpt = Annotated[
     str | None,
-    typer.Option(help="Queue URL, e.g. redis://127.0.0.1:6379/0?stream=jobs (none: embedded Redis)"),
+    typer.Option(
+        envvar=QUEUE_URL_ENV,
+        help="Queue URL, e.g. redis://127.0.0.1:6379/0?stream=jobs, "
+        f"or ${QUEUE_URL_ENV} (none: embedded Redis)",
+    ),
 ]
 ResultsOpt = Annotated[
     str | None,
-    typer.Option(help="Results URL: redis://, s3://bucket/prefix, celery+redis:// (none: the queue server)"),
+    typer.Option(
+        envvar=RESULTS_URL_ENV,
+        help="Results URL: redis://, s3://bucket/prefix, celery+redis://, "
+        f"or ${RESULTS_URL_ENV} (none: the queue server)",
+    ),
 ]
+QueueFileOpt = Annotated[
+    Path | None,
+    typer.Option(help="Read the queue URL from this file (e.g. a mounted Secret) instead of --queue"),
+]
+ResultsFileOpt = Annotated[
+    Path | None,
+    typer.Option(help="Read the results URL from this file instead of --results"),
+]
+
+
+def url_from(value: str | None, path: Path | None, option: str) -> str | None:
+    """The URL an option or its --*-url-file gives; both at once is a usage error."""
+    if path is None:
+        return value
+    if value is not None:
+        raise typer.BadParameter(
+            f"give {option} (or its environment variable) or {option}-url-file, not both"
+        )
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {option}-url-file {path}: {exc}") from None
+    if not text:
+        raise typer.BadParameter(f"{option}-url-file {path} is empty")
+    return text
+
+
 StreamResultsOpt = Annotated[
     str | None,
     typer.Option(
@@ -64,6 +109,8 @@ def worker(
     queue: QueueOpt = None,
     results: ResultsOpt = None,
     stream_results: StreamResultsOpt = None,
+    queue_url_file: QueueFileOpt = None,
+    results_url_file: ResultsFileOpt = None,
     *,
     engine_config: EngineConfig,
     settings: WorkerSettings,
@@ -75,6 +122,8 @@ def worker(
     log_level: Annotated[str, typer.Option(help="Root log level")] = "INFO",
 ) -> None:
     """Serve jobs from a queue until SIGTERM (then drain and exit 0)."""
+    queue = url_from(queue, queue_url_file, "--queue")
+    results = url_from(results, results_url_file, "--results")
     serve_worker(
         engine_config, settings, WorkerRun(queue, results, stream_results, lease_timeout_s, burst, log_level)
     )
@@ -83,7 +132,6 @@ def worker(
 def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: WorkerRun) -> None:
     """Everything `qworker worker` does once its options are parsed: connect, load the model, serve."""
     logging.basicConfig(level=run.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from qworker.engine.llm_engine import LLMEngine
     from qworker.worker.connections import (
         default_results_url,
         open_sink,
@@ -91,10 +139,19 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
         redact_url,
         resolve_url,
     )
+    from qworker.worker.health import HealthServer, HealthState
     from qworker.worker.loop import Worker
+    from qworker.worker.metrics import WorkerMetrics
     from qworker.worker.settings import quiet_payload_loggers
 
     quiet_payload_loggers(settings.log_payloads)
+    metrics, health = WorkerMetrics(), HealthState()
+    # Up before torch is imported and the model loads: /readyz answers 503 meanwhile.
+    server = None
+    if settings.metrics_port is not None:
+        server = HealthServer(metrics.registry, health, port=settings.metrics_port).start()
+    from qworker.engine.llm_engine import LLMEngine
+
     queue_url = resolve_url(run.queue)
     # Connect first: a wrong URL fails in a second, not after the model has loaded.
     source = open_source(queue_url, consumer=settings.name, lease_timeout_s=run.lease_timeout_s)
@@ -108,13 +165,18 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
         f", stream results {redact_url(run.stream_results)}" if run.stream_results else "",
     )
     engine = LLMEngine(engine_config)
-    w = Worker(engine, source, sink, settings)
+    metrics.set_info(
+        model=engine_config.model, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device)
+    )
+    w = Worker(engine, source, sink, settings, metrics=metrics, health=health)
     w.install_signal_handlers()
     # Tests and supervisors wait for this line before they send work or signals.
     print(f"qworker worker {settings.name} ready", flush=True)
     w.run(burst=run.burst)
     source.close()
     sink.close()
+    if server is not None:
+        server.close()
 
 
 @app.command()
@@ -172,6 +234,50 @@ def demo(
     from qworker.worker.demo import run_demo
 
     run_demo(num_jobs=num_jobs, model=model)
+
+
+@app.command("metrics-exporter")
+@config_options(PoolSizing, into="sizing", panel="Sizing")
+def metrics_exporter(
+    queue: Annotated[
+        str | None, typer.Option(envvar=QUEUE_URL_ENV, help=f"The pool's queue URL, or ${QUEUE_URL_ENV}")
+    ] = None,
+    queue_url_file: QueueFileOpt = None,
+    *,
+    sizing: PoolSizing,
+    stats_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar=STATS_URL_ENV,
+            help="The workers' Redis result store, where their stats live, or "
+            f"${STATS_URL_ENV} (none: the queue's Redis for a Redis Streams queue, else no reports)",
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to serve on")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="Port of /metrics, /healthz, /readyz")] = DEFAULT_EXPORTER_PORT,
+    interval_s: Annotated[float, typer.Option(help="Seconds between readings")] = DEFAULT_INTERVAL_S,
+    log_level: Annotated[str, typer.Option(help="Root log level")] = "INFO",
+) -> None:
+    """Serve a pool's KV demand (qworker_pool_demand_blocks, ..._desired_workers) for KEDA until
+    SIGTERM. Reads the queue and the workers' stats; takes nothing from the queue."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from qworker.worker.exporter import run_metrics_exporter
+
+    queue_url = url_from(queue, queue_url_file, "--queue")
+    if queue_url is None:
+        raise typer.BadParameter(f"give the pool's queue: --queue, ${QUEUE_URL_ENV} or --queue-url-file")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    run_metrics_exporter(
+        queue_url,
+        sizing,
+        stats_url=stats_url,
+        host=host,
+        port=port,
+        interval_s=interval_s,
+        stop=stop,
+    )
 
 
 app.command("bench")(bench)

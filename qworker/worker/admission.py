@@ -47,6 +47,8 @@ class AdmissionStats:
     num_jobs_held: int
     num_jobs_not_started: int
     num_jobs_to_pull: int
+    # Blocks the held jobs reach at max_tokens: what the pool-demand signal counts as running.
+    num_demand_blocks: int
 
 
 @dataclass
@@ -75,7 +77,9 @@ class AdmissionPolicy:
         reserved = 0
         committed = 0
         num_not_started = 0
+        demand = 0
         for job in jobs:
+            demand += cdiv(job.num_prompt_tokens + job.max_tokens, self.block_size)
             if job.is_started:
                 num_tokens = job.num_prompt_tokens + job.num_output_tokens
                 final_tokens = job.num_prompt_tokens + job.max_tokens
@@ -96,4 +100,5 @@ class AdmissionPolicy:
             num_jobs_held=len(jobs),
             num_jobs_not_started=num_not_started,
             num_jobs_to_pull=to_pull,
+            num_demand_blocks=demand,
         )

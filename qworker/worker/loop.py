@@ -21,6 +21,7 @@ from qworker.engine.outputs import RequestOutput
 from qworker.errors import InvalidRequestError
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats, HeldJobSize
 from qworker.worker.engine_protocol import EngineProtocol
+from qworker.worker.health import HealthState
 from qworker.worker.jobs import (
     Job,
     JobDecodeError,
@@ -32,6 +33,7 @@ from qworker.worker.jobs import (
     decode_job,
     resolve_job_id,
 )
+from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.sinks.base import Delta, ResultSink
 from qworker.worker.sources.base import JobSource, Lease
@@ -50,6 +52,8 @@ class _HeldJob:
     num_prompt_tokens: int
     deadline: float | None
     num_output_tokens: int = 0
+    # time.monotonic() of its latest token: the start of the next inter-token gap.
+    last_token_at: float | None = None
     # The same job id delivered again while it runs (a producer's duplicate): acked with it.
     extra_leases: list[Lease] = field(default_factory=list)
 
@@ -78,7 +82,12 @@ class Worker:
         source: JobSource,
         sink: ResultSink,
         settings: WorkerSettings | None = None,
+        *,
+        metrics: WorkerMetrics | None = None,
+        health: HealthState | None = None,
     ) -> None:
+        """`metrics` and `health` are what the HTTP endpoints (health.py) serve; the worker keeps
+        both up to date whether or not anything serves them."""
         self.engine = engine
         self.source = source
         self.sink = sink
@@ -91,6 +100,8 @@ class Worker:
             max_jobs_held=engine.config.max_num_seqs + self.settings.max_backlog,
         )
         self.stats = WorkerStats()
+        self.metrics = metrics or WorkerMetrics()
+        self.health = health or HealthState()
         self._held: dict[str, _HeldJob] = {}
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
@@ -137,7 +148,10 @@ class Worker:
                 "matmuls 1.3-1.7x slower there; run the worker on the main thread and the rest in threads",
                 self.name,
             )
+        # The model is loaded (the engine exists) and the source connected when it was opened.
+        self.health.set_ready(True)
         while True:
+            self.health.tick()
             if self._stop.is_set() and self._drain_deadline is None:
                 self._begin_drain()
             if self._drain_deadline is not None:
@@ -185,7 +199,7 @@ class Worker:
         job_id = resolve_job_id(lease.job_id, lease.body, self.source.queue_name, lease.message_id)
         if job_id is None:
             self._dead_letter(
-                lease, "cannot read a job id: the body is not a JSON object and has no id field"
+                lease, "Unreadable", "cannot read a job id: the body is not a JSON object and has no id field"
             )
             return
         held = self._held.get(job_id)
@@ -262,12 +276,18 @@ class Worker:
         started = time.perf_counter()
         step_outputs = self.engine.step()
         self.stats.num_steps += 1
+        self.metrics.observe_step()
+        now = time.monotonic()
         deltas = []
         finished = []
         for out in step_outputs:
             held = self._held.get(out.request_id)
             if held is None:
                 continue
+            if out.new_token_ids:
+                if held.last_token_at is not None:
+                    self.metrics.observe_itl(now - held.last_token_at)
+                held.last_token_at = now
             held.num_output_tokens += len(out.new_token_ids)
             if out.text_delta or out.new_token_ids:
                 deltas.append(Delta(out.request_id, out.text_delta, list(out.new_token_ids)))
@@ -319,7 +339,9 @@ class Worker:
         """The one place a job ends: its result is stored, and only then is its message acked."""
         if self.settings.log_payloads:
             logger.debug("job %s result (%s): %r", result.id, result.status.value, result.text)
-        if not self.sink.write_result(result):
+        if self.sink.write_result(result):
+            self.metrics.observe_result(result)
+        else:
             logger.info("job %s already had a result; keeping that one", result.id)
         for lease in leases:
             self.source.ack(lease)
@@ -330,6 +352,8 @@ class Worker:
         self, held: _HeldJob, output: RequestOutput | None, status: JobStatus, error: JobError | None
     ) -> None:
         self._held.pop(held.job.id, None)
+        if output is not None:
+            self.metrics.observe_preemptions(output.num_preemptions)
         result = self._result(held.job.id, held.job, held.lease, status, error, output)
         self._store_and_ack(result, [held.lease, *held.extra_leases])
 
@@ -351,13 +375,17 @@ class Worker:
     def _fail_and_dead_letter(self, lease: Lease, job_id: str, error_type: str, reason: str) -> None:
         error = JobError(type=error_type, message=reason)
         # The result first, so that a client waiting on this id hears why; then the message moves.
-        self.sink.write_result(self._result(job_id, None, lease, JobStatus.FAILED, error, None))
-        self._dead_letter(lease, reason)
+        result = self._result(job_id, None, lease, JobStatus.FAILED, error, None)
+        if self.sink.write_result(result):
+            self.metrics.observe_result(result)
+        self._dead_letter(lease, error_type, reason)
 
-    def _dead_letter(self, lease: Lease, reason: str) -> None:
+    def _dead_letter(self, lease: Lease, kind: str, reason: str) -> None:
+        """`kind`: a short fixed name (the metric's label), `reason`: the words for people."""
         logger.warning("message %s dead-lettered: %s", lease.message_id, reason)
         self.source.dead_letter(lease, reason)
         self.stats.num_dead_lettered += 1
+        self.metrics.observe_dead_letter(kind)
 
     def _abort(self, held: _HeldJob, status: JobStatus, error: JobError | None) -> None:
         """Stop a held job in the engine (freeing its blocks) and store its partial result."""
@@ -391,6 +419,7 @@ class Worker:
                 self.engine.abort(held.job.id)
                 self._held.pop(held.job.id)
                 self.stats.num_leases_lost += 1
+                self.metrics.observe_lease_lost()
         if self._due("stats"):
             self._write_stats(self.admission_stats())
 
@@ -405,11 +434,22 @@ class Worker:
             admission.num_committed_blocks,
         )
         self.sink.write_worker_stats(self.name, self.stats)
+        # As the worker sees them: a job runs once it produced a token, and waits in the engine
+        # before that (queued or still prefilling).
+        num_waiting = admission.num_jobs_not_started
+        self.metrics.set_engine_gauges(
+            self.engine.kv_stats(),
+            num_running=admission.num_jobs_held - num_waiting,
+            num_waiting=num_waiting,
+            num_held=admission.num_jobs_held,
+            headroom_blocks=admission.num_headroom_blocks,
+        )
 
     # -- drain -------------------------------------------------------------------------------
 
     def _begin_drain(self) -> None:
         self._drain_deadline = time.monotonic() + self.settings.drain_grace_s
+        self.health.set_draining()
         logger.info(
             "worker %s draining: %d jobs held, grace %.1fs",
             self.name,
@@ -438,6 +478,7 @@ class Worker:
             self._held.pop(held.job.id)
         self.source.release([le for h in to_release for le in (h.lease, *h.extra_leases)])
         self.stats.num_released += len(to_release)
+        self.metrics.observe_released(len(to_release))
         logger.info("worker %s released %d jobs to its peers", self.name, len(to_release))
 
 

@@ -70,6 +70,11 @@ class WorkerSettings:
     drain_grace_s: float = field(
         default=30.0, metadata={"help": "SIGTERM: finish what can finish within this, release the rest"}
     )
+    # Off by default: a port is something an operator chooses (and opens) on purpose.
+    metrics_port: int | None = field(
+        default=None,
+        metadata={"help": "Serve /metrics (Prometheus), /healthz and /readyz on this port (none: off)"},
+    )
     # Prompts are user data, and DEBUG logs often end up in shared log stores.
     log_payloads: bool = field(
         default_factory=log_payloads_from_env,
