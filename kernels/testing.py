@@ -2,8 +2,8 @@
 and one comparison, shared by the kernel tests and scripts/gpu_check.py.
 
 Nothing here imports a Triton kernel at load time. `reference_checks` takes the kernel modules as
-arguments (default: this package's, imported when called), because the kernel tests load them by
-path after setting TRITON_INTERPRET, and Triton reads that variable when a kernel is decorated.
+arguments (default: this package's, imported when called), because Triton reads TRITON_INTERPRET
+when a kernel is decorated: a caller that sets it imports the kernels after that.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 # TRITON_INTERPRET is set by conftest.py (on machines without a GPU) before this imports a kernel.
-from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import qworker_kernels.triton_paged_attention as pa
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from qworker_kernels.testing import PagedBatch, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(120)
@@ -17,76 +18,17 @@ TOLERANCE = {
 }
 
 
-@dataclass
-class Batch:
-    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
-    scale: float
+def make_batch(seqs: list[tuple[int, int]], **shape: Any) -> PagedBatch:
+    """(cached prefix length, query length) per sequence; NaN in every slot no sequence may read."""
+    return make_paged_batch(seqs, device=DEVICE, **shape)
 
 
-def make_batch(
-    seqs: list[tuple[int, int]],  # (cached prefix length, query length) per sequence
-    *,
-    block_size: int,
-    head_dim: int,
-    num_heads: int,
-    num_kv_heads: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-(prefix + query) // block_size) for prefix, query in seqs]
-    num_blocks = sum(blocks_per_seq) + 2  # + spares that no sequence owns
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    # NaN everywhere a sequence may not read: unused blocks and the tails of last blocks. Any
-    # masking bug then shows up as NaN in the output instead of a small error.
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    # Blocks scattered in a random order, as a block pool hands them out; padding entries are 0.
-    physical = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(blocks_per_seq) + 1
-    block_tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
-    next_block = 0
-    for s, ((prefix, query), n) in enumerate(zip(seqs, blocks_per_seq, strict=True)):
-        ids = physical[next_block : next_block + n]
-        next_block += n
-        block_tables[s, :n] = ids.to(torch.int32)
-        seq_len = prefix + query
-        for pos in range(0, seq_len, block_size):
-            count = min(block_size, seq_len - pos)
-            block = int(ids[pos // block_size])
-            k_cache[block, :count] = torch.randn((count, num_kv_heads, head_dim), generator=gen).to(dtype)
-            v_cache[block, :count] = torch.randn((count, num_kv_heads, head_dim), generator=gen).to(dtype)
-    query_lens = torch.tensor([query for _, query in seqs])
-    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.cumsum(query_lens, 0)
-    seq_lens = torch.tensor([prefix + query for prefix, query in seqs], dtype=torch.int32)
-    q = torch.randn((int(query_lens.sum()), num_heads, head_dim), generator=gen).to(dtype)
-    return Batch(
-        q=q.to(DEVICE),
-        k_cache=k_cache.to(DEVICE),
-        v_cache=v_cache.to(DEVICE),
-        block_tables=block_tables.to(DEVICE),
-        query_start_loc=query_start_loc.to(DEVICE),
-        seq_lens=seq_lens.to(DEVICE),
-        scale=head_dim**-0.5,
-    )
+def run_varlen(b: PagedBatch, **kwargs: object) -> torch.Tensor:
+    return pa.paged_attention(*b.varlen_args, **kwargs)
 
 
-def run_varlen(b: Batch, **kwargs: object) -> torch.Tensor:
-    return pa.paged_attention(
-        b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.scale, **kwargs
-    )
-
-
-def reference(b: Batch) -> torch.Tensor:
-    return pa.paged_attention_reference(
-        b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.scale
-    )
+def reference(b: PagedBatch) -> torch.Tensor:
+    return pa.paged_attention_reference(*b.varlen_args)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
