@@ -1,13 +1,15 @@
-"""Queue overhead (issue 3, acceptance 8): a workload end to end through Redis against the engine
-alone, on one engine in one process, so that the ratio is measured on the same machine state.
+"""Queue overhead: a workload end to end through Redis against the engine alone, on one engine in
+one process, so that the ratio is measured on the same machine state.
 
-    python scripts/bench_queue.py [--workload ../shared/workloads/offline-mixed.json] [--write-docs]
+    python scripts/bench_queue.py [--workload offline-mixed] [--write-docs]
 
-Engine-only: add every request, step until all finish. Queue: a client thread submits every job
-and waits for the results; a worker on the main thread (on the same engine) pulls them by
-admission and streams deltas and results to Redis; the clock stops when the client has read every
-result. Runs alternate
-(engine, queue, engine, queue, ...) and the best of each is kept, because the machine is shared.
+A thin driver over qworker.bench: both modes are the bench's run loop on the same requests.
+Engine-only: the engine system adds every request and steps until all finish. Queue: a worker on
+the main thread (on the same engine) pulls jobs by admission and writes results to Redis, while
+the run loop, beside it in a thread, submits every job and reads the results (the queue system
+without streaming, as a bulk client does); the clock stops when the client has read every result.
+Runs alternate (engine, queue, engine, queue, ...) and the best of each is kept, because the
+machine is shared.
 """
 
 from __future__ import annotations
@@ -16,98 +18,71 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from qworker.bench.workload import WorkloadSpec, generate_requests, load_workload
+from qworker.bench.metrics import summarize
+from qworker.bench.queue_client import QueueClientSystem
+from qworker.bench.qworker_engine import QworkerEngineSystem
+from qworker.bench.report import format_number, markdown_table
+from qworker.bench.run_loop import run_system, warm_up
+from qworker.bench.system import RunResult
+from qworker.bench.workload import BenchRequest, load_workload, requests_for_model
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.engine.sampling_params import SamplingParams
-from qworker.worker.client import Client
 from qworker.worker.connections import open_sink, open_source
 from qworker.worker.loop import Worker, run_beside
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
-DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "offline-mixed.json"
 DOCS_START = "<!-- bench_queue:start -->"
 DOCS_END = "<!-- bench_queue:end -->"
+SUMMARY_KEYS = (
+    "duration",
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+)
 
 
-def make_requests(
-    spec: WorkloadSpec, engine: LLMEngine, num_requests: int | None
-) -> list[tuple[list[int], SamplingParams]]:
-    """The workload's requests, from the same generator as `qworker bench` and bench_offline.py."""
-    if num_requests:
-        spec = spec.with_overrides(num_requests=num_requests)
-    bench_requests = generate_requests(
-        spec, engine.model_config.vocab_size, excluded_token_ids=sorted(engine.eos_token_ids)
-    )
-    return [
-        (
-            r.prompt_token_ids,
-            SamplingParams(max_tokens=r.output_len, temperature=r.temperature, ignore_eos=r.ignore_eos),
-        )
-        for r in bench_requests
-    ]
+def summary(mode: str, result: RunResult) -> dict[str, Any]:
+    full = summarize(result.records, result.duration_s)
+    return {"mode": mode, **{key: full[key] for key in SUMMARY_KEYS}}
 
 
-def summary(name: str, seconds: float, requests: list, num_output_tokens: int, completed: int) -> dict:
-    num_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
-    return {
-        "mode": name,
-        "duration_s": round(seconds, 3),
-        "completed": completed,
-        "failed": len(requests) - completed,
-        "request_throughput": round(completed / seconds, 4),
-        "output_throughput": round(num_output_tokens / seconds, 2),
-        "total_token_throughput": round((num_output_tokens + num_prompt_tokens) / seconds, 2),
-    }
-
-
-def run_engine_only(engine: LLMEngine, requests: list, tag: str) -> dict:
-    started = time.perf_counter()
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
-    num_output_tokens = 0
-    completed = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                completed += 1
-                num_output_tokens += len(out.output.outputs[0].token_ids)
-    return summary("engine-only", time.perf_counter() - started, requests, num_output_tokens, completed)
-
-
-def run_queue(engine: LLMEngine, requests: list, base_url: str, max_backlog: int) -> dict:
+def run_queue(
+    engine: LLMEngine, requests: list[BenchRequest], base_url: str, max_backlog: int, log_dir: Path
+) -> dict[str, Any]:
     url = unique_url(base_url, tag="bench")
-    client = Client(queue=url)
     worker = Worker(
         engine,
         open_source(url, consumer="bench"),
         open_sink(url),
         WorkerSettings(name="bench", max_backlog=max_backlog),
     )
-    jobs = [
-        {"prompt_token_ids": prompt, "params": {"max_tokens": p.max_tokens, "temperature": p.temperature,
-                                                "ignore_eos": p.ignore_eos}}
-        for prompt, p in requests
-    ]  # fmt: skip
+    config = engine.config
+    client = QueueClientSystem(
+        "queue", url, log_dir, config.model, config.dtype, config.device, spawn_worker=False, stream=False
+    )
 
-    def submit_and_wait() -> tuple[list, float]:
-        started = time.perf_counter()
-        job_ids = client.submit_many(jobs)
-        results = client.results(job_ids, timeout=3600)
-        return results, time.perf_counter() - started
+    def client_side() -> RunResult:
+        client.prepare()
+        warm_up(client)
+        return run_system(client, requests)
 
-    # The worker (so the engine) keeps the main thread; see run_beside.
-    results, seconds = run_beside(worker, submit_and_wait)
-    completed = sum(r.status.value == "completed" for r in results)
-    num_output_tokens = sum(r.usage.completion_tokens for r in results)
-    out = summary("queue", seconds, requests, num_output_tokens, completed)
-    cleanup(client.producer.redis, url)
-    client.close()
-    return out
+    try:
+        # The worker (so the engine) keeps the main thread; see run_beside.
+        result = run_beside(worker, client_side)
+    finally:
+        # After the worker stopped: it blocks on the stream until then.
+        if client.client is not None:
+            cleanup(client.client.producer.redis, url)
+        client.close()
+    return summary("queue", result)
 
 
 def cpu_model() -> str:
@@ -118,8 +93,16 @@ def cpu_model() -> str:
         return platform.processor() or "?"
 
 
-def write_docs(path: Path, report: dict) -> None:
+def write_docs(path: Path, report: dict[str, Any]) -> None:
     e, q = report["engine_only"], report["queue"]
+    rows = [
+        [r["mode"], format_number(r["duration"], 3)]
+        + [
+            format_number(r[key], 2)
+            for key in ("request_throughput", "output_throughput", "total_token_throughput")
+        ]
+        for r in (e, q)
+    ]
     section = "\n".join(
         [
             DOCS_START,
@@ -129,12 +112,9 @@ def write_docs(path: Path, report: dict) -> None:
             f"({report['dtype']}, {report['cpu']}), best of {report['repeats']} alternating runs, one engine "
             f"in one process, {report['date']}.",
             "",
-            "| mode | duration s | request_throughput | output_throughput | total_token_throughput |",
-            "|---|---|---|---|---|",
-            *(
-                f"| {r['mode']} | {r['duration_s']} | {r['request_throughput']} | {r['output_throughput']} | "
-                f"{r['total_token_throughput']} |"
-                for r in (e, q)
+            *markdown_table(
+                ["mode", "duration s", "request_throughput", "output_throughput", "total_token_throughput"],
+                rows,
             ),
             "",
             f"End to end through Redis: **{report['ratio'] * 100:.1f}%** of engine-only output throughput "
@@ -159,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--workload", default="offline-mixed", help="a packaged workload or a spec file")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--queue", default=None, help="Redis URL (default: 127.0.0.1:6379, else embedded)")
@@ -170,19 +150,22 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true", help="update docs/BENCHMARKS.md")
     args = parser.parse_args()
 
-    spec = load_workload(args.workload)
+    spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
+    requests = requests_for_model(spec, args.model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
-    requests = make_requests(spec, engine, args.num_requests)
+    engine_only = QworkerEngineSystem("engine-only", engine.config, engine=engine)
     base_url = args.queue or redis_base_url()
+    # Where a spawned worker would log; this bench runs its worker in-process.
+    log_dir = Path(tempfile.gettempdir())
     if not args.no_warmup:
         # The whole workload once, unmeasured: compiled kernels specialise on batch shapes, and the
         # first run through them is several times slower than the next (seen on CPU).
-        run_engine_only(engine, requests, "warmup")
+        warm_up(engine_only, requests=requests)
     engine_runs, queue_runs = [], []
-    for i in range(args.repeats):
-        engine_runs.append(run_engine_only(engine, requests, f"r{i}"))
+    for _ in range(args.repeats):
+        engine_runs.append(summary("engine-only", run_system(engine_only, requests)))
         print(json.dumps(engine_runs[-1]), flush=True)
-        queue_runs.append(run_queue(engine, requests, base_url, args.max_backlog))
+        queue_runs.append(run_queue(engine, requests, base_url, args.max_backlog, log_dir))
         print(json.dumps(queue_runs[-1]), flush=True)
     best_engine = max(engine_runs, key=lambda r: r["output_throughput"])
     best_queue = max(queue_runs, key=lambda r: r["output_throughput"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -24,17 +24,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-
 
 def _load_kernel_module(name: str) -> ModuleType:
-    # By path, so the bench measures this working tree whether or not the package is installed.
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", KERNELS_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None, name
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    # Imported only here, after main() has set TRITON_INTERPRET for --interpret: Triton reads it
+    # when a kernel is decorated.
+    return importlib.import_module(f"qworker_kernels.{name}")
 
 
 def _parse_args() -> argparse.Namespace:

@@ -164,3 +164,66 @@ def test_invalid_request_is_a_counted_failure(tiny_llama) -> None:
     statuses = {r.request_id: r.status for r in result.records}
     assert statuses[requests[1].request_id] is RequestStatus.FAILED
     assert sum(s is RequestStatus.COMPLETED for s in statuses.values()) == 2
+
+
+def test_queue_results_only_beside_an_in_process_worker(tiny_llama, tmp_path) -> None:
+    """scripts/bench_queue.py's queue mode: the worker on this thread, the run loop beside it
+    submitting jobs at their send times and reading results in submit order, through Redis."""
+    pytest.importorskip("redis")
+    from qworker.bench.queue_client import QueueClientSystem
+    from qworker.worker.connections import open_sink, open_source
+    from qworker.worker.loop import Worker, run_beside
+    from qworker.worker.settings import WorkerSettings
+    from qworker.worker.testing import cleanup, redis_base_url, unique_url
+
+    engine = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
+    url = unique_url(redis_base_url(), tag="bench-drivers")
+    worker = Worker(
+        engine, open_source(url, consumer="t"), open_sink(url), WorkerSettings(name="t", max_backlog=4)
+    )
+    system = QueueClientSystem(
+        "queue", url, tmp_path, "tiny", "float32", "cpu", spawn_worker=False, stream=False
+    )
+    requests = workload()
+
+    def client_side() -> RunResult:
+        system.prepare()
+        warm_up(system)
+        return run(system, requests, max_concurrency=3)
+
+    try:
+        result = run_beside(worker, client_side)
+    finally:
+        cleanup(system.client.producer.redis, url)  # after the worker stopped reading the stream
+        system.close()
+    by_id = {r.request_id: r for r in requests}
+    for record in result.records:
+        assert record.status is RequestStatus.COMPLETED, record.error
+        assert record.num_output_tokens == by_id[record.request_id].output_len
+        assert record.queue_wait_s is not None and record.chunk_times == []
+    assert result.meta["url"] == url
+
+
+def test_token_ids_kept_and_equal_across_systems(tiny_llama) -> None:
+    """keep_token_ids: the engine's greedy tokens equal transformers' one-at-a-time generate."""
+    requests = workload(4)
+    engine_run = run(qworker_system(tiny_llama), requests, keep_token_ids=True)
+    hf_run = run(hf_system(tiny_llama, batch_size=1), requests, keep_token_ids=True)
+    assert engine_run.token_ids == hf_run.token_ids
+    assert [len(engine_run.token_ids[r.request_id]) for r in requests] == [r.output_len for r in requests]
+
+
+def test_a_completion_past_the_request_timeout_counts_as_a_timeout(tiny_llama) -> None:
+    """hf-static finishes a whole batch at once: its requests that took longer than the request
+    timeout are timeouts, whatever the system reported."""
+    requests = workload(3)
+    result = run(hf_system(tiny_llama, batch_size=3), requests, limits=RunLimits(request_timeout_s=1e-6))
+    assert all(r.status is RequestStatus.TIMEOUT for r in result.records)
+    assert all("request timeout" in r.error for r in result.records)
+
+
+def test_a_failed_warm_up_raises(tiny_llama) -> None:
+    system = qworker_system(tiny_llama)
+    too_long = replace(workload(1)[0], prompt_token_ids=[40] * 600)
+    with pytest.raises(RuntimeError, match="warm-up request"):
+        warm_up(system, requests=[too_long])
