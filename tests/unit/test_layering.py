@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,32 @@ def test_connections_open_backends_lazily():
     # The table names modules; nothing of a backend's client library loads until a URL uses it.
     loaded = imported_after(["qworker.worker.connections"], ("redis", "boto3", "botocore", "kombu", "celery"))
     assert loaded == []
+
+
+@pytest.mark.timeout(280)
+def test_engines_satisfy_the_engine_protocol(request, tmp_path):
+    """Static, by mypy: engine_protocol.py returns an LLMEngine and a FakeEngine as an
+    EngineProtocol, and the loop uses the engine only through the protocol."""
+    pytest.importorskip("mypy", reason="mypy is not installed in this environment")
+    # pytest's cache keeps mypy's between runs (about 20 s cold, a few warm).
+    cache = getattr(request.config, "cache", None)
+    cache_dir = cache.mkdir("mypy") if cache is not None else tmp_path
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--follow-imports=silent",
+            "--ignore-missing-imports",
+            "--cache-dir",
+            str(cache_dir),
+            "qworker/worker/engine_protocol.py",
+            "qworker/worker/loop.py",
+            "qworker/worker/fake_engine.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
