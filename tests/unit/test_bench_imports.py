@@ -8,6 +8,7 @@ and `importlib.util.find_spec("x")` says None (transformers probes optional pack
 
 from __future__ import annotations
 
+import json
 import re
 import site
 import subprocess
@@ -93,3 +94,41 @@ def test_the_block_works(tmp_path: Path) -> None:
     """The probe really hides them: the worker's job model (pydantic) does not import under it."""
     proc = probe(tmp_path, ("qworker.worker.jobs",))
     assert proc.returncode != 0 and "No module named 'pydantic'" in proc.stderr
+
+
+GPU_CHECK = """
+import runpy, site, sys
+
+site.addsitedir(sys.argv[1])
+sys.argv = ["gpu_check.py", *sys.argv[2:]]
+runpy.run_path("scripts/gpu_check.py", run_name="__main__")
+"""
+
+
+def test_gpu_check_runs_without_the_worker_extras(tmp_path: Path) -> None:
+    """The script itself, its env and kernel stages, in the CPU smoke mode."""
+    site_dir = site_without(BLOCKED, tmp_path / "site-packages")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            GPU_CHECK,
+            str(site_dir),
+            str(out),
+            "--cpu-smoke",
+            "--stages",
+            "env,kernels",
+        ],
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=110,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert data["stages"]["env"]["forbidden_modules_loaded"] == []
+    assert data["stages"]["kernels"]["status"] == "ok" and data["stages"]["kernels"]["num_cases"] > 10
+    assert "# qworker GPU check" in (out / "gpu_check.md").read_text()
