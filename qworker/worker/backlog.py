@@ -132,7 +132,8 @@ class RedisStreamBacklog:
 
         pending = self.redis.xpending_range(self.stream, self.group, "-", "+", self.sample_limit)
         lease_ms = self.lease_timeout_s * 1000
-        orphan_ids, held_ids = [], []
+        orphan_ids: list[Any] = []
+        held_ids: list[Any] = []
         for entry in pending:
             is_orphan = entry["time_since_delivered"] >= lease_ms or (
                 live_workers is not None and _text(entry["consumer"]) not in live_workers
