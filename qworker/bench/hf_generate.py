@@ -143,7 +143,7 @@ class HFGenerateSystem(System):
         self, prompts: list[list[int]], max_new_tokens: int, run: Run
     ) -> tuple[_StepClock, torch.Tensor]:
         """Greedy, until the batch's longest request is done. New tokens: [batch, num_steps]."""
-        assert self.model is not None, "prepare() first"
+        assert self.model is not None and self.pad_token_id is not None, "prepare() first"
         # Left padding so that every row's next token is at the same position.
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)

@@ -41,7 +41,7 @@ class RunClock:
 
 
 def _ignore_progress(num_finished: int) -> None:
-    """No progress display."""
+    return None  # no progress display
 
 
 class Run:
