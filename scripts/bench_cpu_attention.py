@@ -90,7 +90,7 @@ def bench_case(
         )
 
     # Floor: a copy of as many bytes as the kernel reads (K and V of one layer), source and destination
-    # cold. Bandwidth counts read and write, as DESIGN.md's 24 GB/s does; the floor reads at it.
+    # cold. Bandwidth counts read and write (a copy's usual figure); the floor reads at it.
     src = [
         torch.cat([c.view(-1), d.view(-1)])[: read_bytes // esize]
         for c, d in zip(k_caches, v_caches, strict=True)
