@@ -1,4 +1,4 @@
-"""Celery interop (issue 4 acceptance 6): a real celery.Celery app is the producer and reads the
+"""Celery interop: a real celery.Celery app is the producer and reads the
 results; qworker consumes the Celery protocol v2 messages from the Redis broker with kombu.
 
 Uses the Redis server at 127.0.0.1:6379, database 11, a unique queue name per test."""

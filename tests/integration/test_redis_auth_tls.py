@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 7: Redis URLs with a password and rediss:// (TLS) work for the queue, the
+"""Redis URLs with a password and rediss:// (TLS) work for the queue, the
 results and the Client; AWS credentials, Redis passwords and prompts never reach the logs unless
 payload logging is switched on.
 

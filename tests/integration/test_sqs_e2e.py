@@ -1,4 +1,4 @@
-"""SQS + S3 end to end (issue 4 acceptance 1 and 3): 50 SmolLM2 jobs through SQS with results in S3
+"""SQS + S3 end to end: 50 SmolLM2 jobs through SQS with results in S3
 give LLM.generate's greedy text; a worker killed with SIGKILL loses nothing and every job has one
 result object."""
 

@@ -1,5 +1,5 @@
-"""SQS source and S3 result store against moto's server mode (issue 4 acceptance 2, 4, 5 and the
-S3/split-sink rules), in-process on a tiny random model with the SmolLM2 tokenizer."""
+"""SQS source and S3 result store against moto's server mode (leases, dead letters, large payloads through
+S3, the S3 and split-sink rules), in-process on a tiny random model with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
