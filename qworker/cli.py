@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from qworker.batch.command import batch
 from qworker.bench.command import bench
 from qworker.cli_options import config_options, engine_options, worker_options
 from qworker.config import EngineConfig
@@ -281,6 +282,7 @@ def metrics_exporter(
 
 
 app.command("bench")(bench)
+app.command("batch")(batch)
 
 
 def main() -> None:

@@ -1,0 +1,109 @@
+"""Local mode: the rows run on an engine in this process.
+
+Rows are read from the input stream as requests finish: at most `max_in_flight` are in the
+engine (running or waiting there), twice max_num_seqs by default as in vLLM's run-batch, so
+that the scheduler always has the next rows at hand and memory stays bounded by the engine's
+capacity, not by the file. The engine runs on the calling (main) thread: torch's CPU matmuls are
+slower when another thread drives them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from qworker.batch.bodies import Generation, response_body
+from qworker.batch.format import RowError, error_line, success_line
+from qworker.batch.output import BatchOutput
+from qworker.batch.progress import Progress
+from qworker.batch.rows import RowFailure, RowRequest
+from qworker.errors import InvalidRequestError, PromptTooLongError
+
+if TYPE_CHECKING:
+    from qworker.engine.llm_engine import LLMEngine
+
+
+class LocalRunner:
+    """Feeds rows to `engine` and writes each one's line to `output` when it finishes."""
+
+    def __init__(
+        self, engine: LLMEngine, output: BatchOutput, progress: Progress, max_in_flight: int | None = None
+    ) -> None:
+        self.engine = engine
+        self.output = output
+        self.progress = progress
+        self.max_in_flight = max_in_flight or 2 * engine.config.max_num_seqs
+        assert self.max_in_flight >= 1, f"max_in_flight must be >= 1, got {self.max_in_flight}"
+        self._in_flight: dict[str, RowRequest] = {}
+        # The most rows held at once, for tests of the memory bound.
+        self.max_rows_held = 0
+
+    def run(self, rows: Iterable[RowRequest | RowFailure]) -> None:
+        self.progress.start()
+        pending = iter(rows)
+        is_exhausted = False
+        while True:
+            while not is_exhausted and len(self._in_flight) < self.max_in_flight:
+                item = next(pending, None)
+                if item is None:
+                    is_exhausted = True
+                elif isinstance(item, RowFailure):
+                    self._fail(item.custom_id, item.request_id, item.error)
+                else:
+                    self._add(item)
+            self.max_rows_held = max(self.max_rows_held, len(self._in_flight))
+            if not self._in_flight:
+                return
+            for step_output in self.engine.step():
+                if step_output.finished:
+                    assert step_output.output is not None, "a finished step output carries the whole result"
+                    self._finish(self._in_flight.pop(step_output.request_id), step_output.output)
+            self.progress.tick()
+
+    def _decode(self, token_id: int) -> str:
+        return str(self.engine.tokenizer.decode([token_id]))
+
+    def _prompt(self, row: RowRequest) -> dict[str, Any]:
+        if isinstance(row.prompt, list):
+            return {"prompt_token_ids": list(row.prompt)}
+        if self.engine.tokenizer is None:
+            raise RowError("this model has no tokenizer: give the prompt as a list of token ids")
+        if row.messages is not None:
+            return {"prompt_token_ids": self.engine.apply_chat_template(row.messages)}
+        assert row.prompt is not None, "a completions row has a prompt"
+        text, token_ids = self.engine.tokenize(row.prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def _add(self, row: RowRequest) -> None:
+        try:
+            prompt = self._prompt(row)
+            # No limit given (chat): up to the end of the context, as vLLM does.
+            max_tokens = row.max_tokens or max(1, self.engine.max_model_len - len(prompt["prompt_token_ids"]))
+            self.engine.add_request(row.request_id, prompt, row.sampling_params(max_tokens))
+        except RowError as exc:
+            self._fail(row.custom_id, row.request_id, exc)
+        except PromptTooLongError as exc:
+            self._fail(row.custom_id, row.request_id, RowError(str(exc), code="context_length_exceeded"))
+        except InvalidRequestError as exc:
+            self._fail(row.custom_id, row.request_id, RowError(str(exc)))
+        except Exception as exc:  # a chat template that rejects this conversation, say
+            self._fail(row.custom_id, row.request_id, RowError(f"cannot prepare the prompt: {exc}"))
+        else:
+            self._in_flight[row.request_id] = row
+
+    def _finish(self, row: RowRequest, output: Any) -> None:
+        generation = Generation.from_request_output(
+            output, with_prompt_logprobs=row.num_prompt_logprobs is not None
+        )
+        try:
+            body = response_body(row, generation, int(time.time()), self._decode)
+        except RowError as exc:
+            self._fail(row.custom_id, row.request_id, exc)
+            return
+        self.output.write(success_line(row.custom_id, row.request_id, body))
+        self.progress.row_done(200, body.usage.prompt_tokens, body.usage.completion_tokens)
+
+    def _fail(self, custom_id: str, request_id: str, error: RowError) -> None:
+        self.output.write(error_line(custom_id, request_id, error))
+        self.progress.row_done(error.status_code)

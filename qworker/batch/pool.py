@@ -1,0 +1,207 @@
+"""Pool mode: each row becomes a job on a queue that qworker workers serve; the results are
+collected from the result store.
+
+A row's job id is derived from the batch id and its custom_id (rows.request_id_for), and the ids
+sent are appended to a journal beside the output once the queue took them. A rerun enqueues only
+rows that no run has enqueued, and collects the rest from the store, including rows that
+finished while no runner was there. The one gap: a runner killed after the queue took a send and
+before the journal recorded it enqueues those rows again on the rerun; a worker that takes the
+second message after the first one's result is stored acks it without running it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from qworker.batch.bodies import Generation, response_body
+from qworker.batch.format import BatchOutputLine, RowError, error_line, success_line
+from qworker.batch.output import BatchOutput
+from qworker.batch.progress import Progress
+from qworker.batch.rows import RowFailure, RowRequest
+from qworker.engine.outputs import CompletionOutput
+from qworker.worker.client import Client
+from qworker.worker.jobs import ChatMessage, Job, JobResult, JobStatus, format_validation_error
+
+logger = logging.getLogger(__name__)
+
+# Jobs per send (one round trip on Redis, batches of 10 on SQS).
+SEND_CHUNK = 64
+# Sweeps of the pending results: at least this far apart, and up to the longer gap while none
+# arrive. Each sweep reads every pending id once.
+MIN_POLL_S = 0.2
+MAX_POLL_S = 1.0
+# Chat rows without a limit, when --max-model-len does not give the workers' context.
+DEFAULT_POOL_MAX_TOKENS = 4096
+
+# A failed job's error type -> (HTTP status, OpenAI error code) of its line. Other types: 500.
+ERROR_STATUS = {
+    "PromptTooLongError": (400, "context_length_exceeded"),
+    "InvalidParamsError": (400, "invalid_request_error"),
+    "InvalidRequestError": (400, "invalid_request_error"),
+    "ValidationError": (400, "invalid_request_error"),
+    "InvalidJSON": (400, "invalid_request_error"),
+    "JobTooLarge": (413, "request_too_large"),
+    "Expired": (408, "expired"),
+}
+
+
+class SubmittedJournal:
+    """The job ids this batch has enqueued: one per line, appended (and synced) after each send."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ids: set[str] = set()
+        if path.exists():
+            with open(path, "rb") as f:
+                # A last line without its newline was cut by a kill: not recorded.
+                self.ids = {raw.decode().strip() for raw in f if raw.endswith(b"\n")}
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self.ids
+
+    def add(self, job_ids: list[str]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "ab") as f:
+            f.write("".join(f"{job_id}\n" for job_id in job_ids).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        self.ids.update(job_ids)
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.ids = set()
+
+
+def job_for(row: RowRequest, default_max_tokens: int) -> Job:
+    """The row as a job; RowError when the job schema refuses it."""
+    try:
+        params = row.sampling_params(row.max_tokens or default_max_tokens)
+        common = {"id": row.request_id, "params": params, "metadata": {"custom_id": row.custom_id}}
+        if row.messages is not None:
+            return Job(messages=[ChatMessage(**m) for m in row.messages], **common)
+        if isinstance(row.prompt, str):
+            return Job(prompt=row.prompt, **common)
+        return Job(prompt_token_ids=row.prompt, **common)
+    except ValidationError as exc:
+        raise RowError(format_validation_error(exc)) from None
+
+
+def generation_from_result(result: JobResult) -> Generation:
+    """A completed job's output as a Generation. n > 1 and logprobs come with the job result's
+    fields for them (rows asking for them fail before they are sent, until those exist)."""
+    completion = CompletionOutput(
+        index=0, text=result.text, token_ids=list(result.token_ids), finish_reason=result.finish_reason
+    )
+    return Generation(num_prompt_tokens=result.usage.prompt_tokens, completions=[completion])
+
+
+def error_of_result(result: JobResult) -> RowError:
+    if result.status is JobStatus.TIMEOUT:
+        return RowError(_message(result, "the job ran past its timeout"), status_code=408, code="timeout")
+    if result.status is JobStatus.CANCELLED:
+        return RowError(_message(result, "the job was cancelled"), status_code=499, code="cancelled")
+    error_type = result.error.type if result.error is not None else "Failed"
+    status_code, code = ERROR_STATUS.get(error_type, (500, "server_error"))
+    return RowError(_message(result, "the job failed"), status_code=status_code, code=code)
+
+
+def _message(result: JobResult, default: str) -> str:
+    if result.error is None:
+        return default
+    return f"{result.error.type}: {result.error.message}"
+
+
+def line_of_result(row: RowRequest, result: JobResult) -> tuple[BatchOutputLine, int, int]:
+    """The row's output line, and its prompt and completion token counts."""
+    try:
+        if result.status is not JobStatus.COMPLETED:
+            raise error_of_result(result)
+        created = int(result.timings.finished_at or time.time())
+        body = response_body(row, generation_from_result(result), created)
+    except RowError as exc:
+        return error_line(row.custom_id, row.request_id, exc), 0, 0
+    line = success_line(row.custom_id, row.request_id, body)
+    return line, body.usage.prompt_tokens, body.usage.completion_tokens
+
+
+class PoolRunner:
+    """Enqueues the rows through `client` and writes each result's line to `output` as it arrives.
+    At most `max_pending` rows are enqueued and not yet collected."""
+
+    def __init__(
+        self,
+        client: Client,
+        output: BatchOutput,
+        progress: Progress,
+        journal: SubmittedJournal,
+        *,
+        default_max_tokens: int = DEFAULT_POOL_MAX_TOKENS,
+        max_pending: int = 10_000,
+    ) -> None:
+        assert max_pending >= 1, f"max_pending must be >= 1, got {max_pending}"
+        self.client = client
+        self.output = output
+        self.progress = progress
+        self.journal = journal
+        self.default_max_tokens = default_max_tokens
+        self.max_pending = max_pending
+        self._pending: dict[str, RowRequest] = {}
+        self._to_send: list[Job] = []
+        self._poll_s = MIN_POLL_S
+        self.num_enqueued = 0
+
+    def run(self, rows: Iterable[RowRequest | RowFailure]) -> None:
+        self.progress.start()
+        for item in rows:
+            if isinstance(item, RowFailure):
+                self._write(error_line(item.custom_id, item.request_id, item.error), item.error.status_code)
+                continue
+            if item.request_id not in self.journal:
+                try:
+                    self._to_send.append(job_for(item, self.default_max_tokens))
+                except RowError as exc:
+                    self._write(error_line(item.custom_id, item.request_id, exc), exc.status_code)
+                    continue
+                if len(self._to_send) >= SEND_CHUNK:
+                    self._send()
+            self._pending[item.request_id] = item
+            while len(self._pending) >= self.max_pending:
+                self._send()
+                self._wait_and_collect()
+        self._send()
+        while self._pending:
+            self._wait_and_collect()
+
+    def _send(self) -> None:
+        if not self._to_send:
+            return
+        job_ids = self.client.submit_many(self._to_send)
+        self.journal.add(job_ids)
+        self.num_enqueued += len(job_ids)
+        self._to_send = []
+
+    def _wait_and_collect(self) -> None:
+        time.sleep(self._poll_s)
+        num_found = 0
+        for request_id in list(self._pending):
+            result = self.client.sink.get_result(request_id)
+            if result is None:
+                continue
+            row = self._pending.pop(request_id)
+            line, num_prompt, num_completion = line_of_result(row, result)
+            self._write(line, line.response.status_code if line.response else 500, num_prompt, num_completion)
+            num_found += 1
+        self._poll_s = MIN_POLL_S if num_found else min(MAX_POLL_S, self._poll_s * 1.5)
+        self.progress.tick()
+
+    def _write(
+        self, line: BatchOutputLine, status_code: int, num_prompt: int = 0, num_completion: int = 0
+    ) -> None:
+        self.output.write(line)
+        self.progress.row_done(status_code, num_prompt, num_completion)
