@@ -41,6 +41,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata={"help": "Split long prompts across steps, so that decodes keep running"}
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "Reuse the KV blocks of prompt prefixes seen before (shared system prompts, "
+            "few-shot examples) instead of computing them again"
+        },
+    )
     scheduling_policy: SchedulingPolicy = field(
         default=SchedulingPolicy.FCFS,
         metadata={"help": "fcfs: arrival order; priority: lower job priority first, then arrival"},

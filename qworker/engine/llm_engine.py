@@ -71,7 +71,13 @@ class LLMEngine:
             state_dict=state_dict,
             eos_token_ids=self.eos_token_ids,
         )
-        self.kv_cache_manager = KVCacheManager(self.runner.num_kv_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            # What decides a block's KV besides its tokens: this engine's weights and dtype.
+            cache_salt=f"{config.model}|{self.runner.dtype}",
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -221,6 +227,15 @@ class LLMEngine:
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv_cache_manager.stats()
+
+    def num_cached_prefix_tokens(self, request_id: str) -> int:
+        """Leading tokens of a queued request that it would share from the prefix cache without
+        taking a free block: those in cached blocks that requests hold now. 0 for an unknown
+        request or with prefix caching off. Changes nothing."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return 0
+        return self.kv_cache_manager.num_shared_prefix_tokens(request)
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from qworker.engine.block_hash import BlockHash
 from qworker.engine.sampling_params import SamplingParams
 
 
@@ -37,7 +38,8 @@ class Request:
 
     Progress is a counter: the model has computed KV for the first `num_computed_tokens` of
     `token_ids`. Prefill, chunked prefill, decode and resume after preemption are all the same
-    rule: schedule `num_tokens - num_computed_tokens` more (capped by the budget).
+    rule: schedule `num_tokens - num_computed_tokens` more (capped by the budget). A prefix-cache
+    hit only starts `num_computed_tokens` above 0.
     """
 
     request_id: str
@@ -51,6 +53,9 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Content hashes of the full blocks of token_ids, in order; the KV cache manager appends
+    # them as blocks fill (each block is hashed once, and tokens never change).
+    block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

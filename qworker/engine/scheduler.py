@@ -46,6 +46,9 @@ class Scheduler:
     when blocks run out is always the last: the newest under FCFS, the least urgent under the
     priority policy. Preemption is by recompute: blocks are freed and the request goes back to
     waiting with `num_computed_tokens = 0`; its generated tokens stay and are prefilled again.
+
+    A waiting request (new or preempted) starts after its longest cached prefix, when prefix
+    caching is on: those tokens count as computed and cost no budget.
     """
 
     def __init__(
@@ -68,6 +71,9 @@ class Scheduler:
         self._finished_since_last_plan: list[str] = []
         self._next_arrival_index = 0
         self.num_preemptions = 0
+        # Prompt tokens the model computed (prefix-cache hits excluded, recompute after
+        # preemption included): the prefill work done.
+        self.num_prompt_tokens_computed = 0
 
     # -- queue bookkeeping -------------------------------------------------------------------
 
@@ -131,6 +137,8 @@ class Scheduler:
         def take(request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
             start = request.num_computed_tokens
             end = start + num_new_tokens
+            if start < request.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(end, request.num_prompt_tokens) - start
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -194,7 +202,8 @@ class Scheduler:
             request = self._peek_waiting()
             if request is None:
                 break
-            num_remaining = request.num_tokens - request.num_computed_tokens
+            cached_prefix = manager.find_cached_prefix(request)
+            num_remaining = request.num_tokens - cached_prefix.num_tokens
             num_new_tokens = min(num_remaining, token_budget)
             if (
                 not self.enable_chunked_prefill
@@ -202,10 +211,11 @@ class Scheduler:
                 and token_budget < self.max_num_batched_tokens
             ):
                 break  # wait for a step with the whole budget free
-            block_ids = manager.allocate_slots(request, num_new_tokens)
+            block_ids = manager.allocate_slots(request, num_new_tokens, cached_prefix)
             if block_ids is None:
                 break
             heapq.heappop(self._waiting)
+            request.num_computed_tokens = cached_prefix.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._sort_key)
             take(request, num_new_tokens, block_ids)
@@ -217,12 +227,14 @@ class Scheduler:
         return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, finished, capacity_finished)
 
     def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance the counters of every scheduled request; append the sampled tokens."""
+        """Advance the counters of every scheduled request, cache the blocks the step filled,
+        and append the sampled tokens."""
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens = item.start_position + len(item.token_ids)
+            self.kv_cache_manager.cache_blocks(request)
             token_id = sampled.get(item.request_id)
             if token_id is not None:
                 request.append_output_token(token_id)

@@ -3,17 +3,24 @@
 The rule, in blocks of the engine's paged KV cache:
 
     reserved  = sum over running jobs of min(reserve_blocks_per_seq, blocks still needed to max_tokens)
-    committed = sum over jobs held but not started of ceil((prompt_tokens + 1) / block_size)
+    committed = sum over jobs held but not started of
+                ceil((prompt_tokens + 1) / block_size) - shared_prefix_tokens / block_size
     headroom  = free_blocks - reserved - committed
     pull      = min(max_backlog - jobs_not_started,      # the local backlog stays small
                     headroom // typical_prompt_blocks,   # only what can start soon
                     max_jobs_held - jobs_held)           # never more than the engine can batch
 
-A job is "started" once the engine produced its first token. The typical prompt size is a running
-mean of the jobs seen so far. A job that turns out larger than the headroom still waits in the
-engine, where it counts as committed, so no further job is pulled until it fits. Hence the bound
-the tests check: jobs held <= jobs running + max_backlog, and the running ones are those the KV
-cache holds. Everything else stays in the queue for other workers.
+A job is "started" once the engine produced its first token. The prefix cache enters twice:
+free_blocks counts cached blocks that no request holds (the engine evicts them when it needs
+room), and a job's shared_prefix_tokens (the engine's `num_cached_prefix_tokens`) are the leading
+prompt tokens in cached blocks that requests hold now, which the job will share instead of taking
+free blocks. Cached blocks that nobody holds are not subtracted: reusing one takes it off the free
+list, so it costs the job a free block like a new one. The typical prompt size is a running mean
+of the blocks the jobs seen so far needed beyond their shared prefix. A job that turns out larger
+than the headroom still waits in the engine, where it counts as committed, so no further job is
+pulled until it fits. Hence the bound the tests check: jobs held <= jobs running + max_backlog,
+and the running ones are those the KV cache holds. Everything else stays in the queue for other
+workers.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ class HeldJobSize:
     max_tokens: int
     num_output_tokens: int
     is_started: bool
+    # Leading prompt tokens in cached blocks that requests hold now (whole blocks): the engine
+    # shares them, so a job not started needs blocks only for the rest.
+    num_shared_prefix_tokens: int = 0
 
 
 @dataclass
@@ -68,8 +78,8 @@ class AdmissionPolicy:
         if self.reserve_blocks_per_seq < 0:
             raise ValueError(f"reserve_blocks_per_seq must be >= 0, got {self.reserve_blocks_per_seq}")
 
-    def observe_prompt(self, num_prompt_tokens: int) -> None:
-        blocks = cdiv(num_prompt_tokens + 1, self.block_size)
+    def observe_prompt(self, num_prompt_tokens: int, num_shared_prefix_tokens: int = 0) -> None:
+        blocks = cdiv(num_prompt_tokens + 1, self.block_size) - num_shared_prefix_tokens // self.block_size
         # An exponential mean: adapts when the workload changes, and is cheap.
         self.typical_prompt_blocks += 0.1 * (blocks - self.typical_prompt_blocks)
 
@@ -86,7 +96,10 @@ class AdmissionPolicy:
                 still_needed = cdiv(final_tokens, self.block_size) - cdiv(num_tokens, self.block_size)
                 reserved += min(self.reserve_blocks_per_seq, max(0, still_needed))
             else:
-                committed += cdiv(job.num_prompt_tokens + 1, self.block_size)
+                committed += (
+                    cdiv(job.num_prompt_tokens + 1, self.block_size)
+                    - job.num_shared_prefix_tokens // self.block_size
+                )
                 num_not_started += 1
         headroom = num_free_blocks - reserved - committed
         by_blocks = int(headroom // max(1.0, self.typical_prompt_blocks)) if headroom > 0 else 0

@@ -1,4 +1,5 @@
-"""What the worker needs from an engine: add and abort requests, step, KV stats, limits.
+"""What the worker needs from an engine: add and abort requests, step, KV stats and prefix-cache
+lookups, limits.
 
 `qworker.engine.llm_engine.LLMEngine` satisfies this structurally, and so does the scripted
 `qworker.worker.fake_engine.FakeEngine` that unit tests of the worker loop use. The types named
@@ -74,6 +75,12 @@ class EngineProtocol(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def kv_stats(self) -> KVCacheStats: ...
+
+    def num_cached_prefix_tokens(self, request_id: str) -> int:
+        """Leading prompt tokens of a queued request that it would share from the prefix cache
+        without taking a free block (in cached blocks that requests hold now); 0 when unknown or
+        with no prefix cache. Admission counts the rest of the prompt. Changes nothing."""
+        ...
 
 
 if TYPE_CHECKING:

@@ -175,6 +175,10 @@ class FakeEngine:
             num_empty_slots=num_used * self.config.block_size - num_stored,
         )
 
+    def num_cached_prefix_tokens(self, request_id: str) -> int:
+        """The fake engine has no prefix cache: every job needs all its prompt's blocks."""
+        return 0
+
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:

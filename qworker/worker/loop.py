@@ -175,7 +175,11 @@ class Worker:
         kv = self.engine.kv_stats()
         jobs = [
             HeldJobSize(
-                h.num_prompt_tokens, h.job.params.max_tokens, h.num_output_tokens, h.num_output_tokens > 0
+                h.num_prompt_tokens,
+                h.job.params.max_tokens,
+                h.num_output_tokens,
+                h.num_output_tokens > 0,
+                0 if h.num_output_tokens else self.engine.num_cached_prefix_tokens(h.job.id),
             )
             for h in self._held.values()
         ]
@@ -252,7 +256,7 @@ class Worker:
             self._fail(lease, job_id, job, "InvalidRequestError", f"cannot prepare the prompt: {exc}")
             return
         num_prompt_tokens = len(prompt["prompt_token_ids"])
-        self.admission.observe_prompt(num_prompt_tokens)
+        self.admission.observe_prompt(num_prompt_tokens, self.engine.num_cached_prefix_tokens(job_id))
         deadline = now + job.timeout_s if job.timeout_s is not None else None
         self._held[job_id] = _HeldJob(job, lease, num_prompt_tokens, deadline)
 
@@ -437,12 +441,14 @@ class Worker:
         # As the worker sees them: a job runs once it produced a token, and waits in the engine
         # before that (queued or still prefilling).
         num_waiting = admission.num_jobs_not_started
+        kv = self.engine.kv_stats()
         self.metrics.set_engine_gauges(
-            self.engine.kv_stats(),
+            kv,
             num_running=admission.num_jobs_held - num_waiting,
             num_waiting=num_waiting,
             num_held=admission.num_jobs_held,
             headroom_blocks=admission.num_headroom_blocks,
+            num_cached_blocks=kv.num_cached_blocks,
         )
 
     # -- drain -------------------------------------------------------------------------------

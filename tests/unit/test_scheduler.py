@@ -13,9 +13,13 @@ from qworker.engine.scheduler import Scheduler, SchedulerOutput
 pytestmark = pytest.mark.timeout(120)
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=16, **kw) -> Scheduler:
+def make_scheduler(
+    num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_caching=False, **kw
+) -> Scheduler:
+    # Prefix caching off unless asked: these prompts share prefixes, and the exact block ids
+    # below are those of the plain pool (test_prefix_caching.py covers the cache).
     return Scheduler(
-        KVCacheManager(num_blocks, block_size),
+        KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         **kw,
@@ -169,9 +173,10 @@ request_specs = st.lists(
     max_num_batched_tokens=st.integers(1, 48),
     policy=st.sampled_from(list(SchedulingPolicy)),
     chunked=st.booleans(),
+    caching=st.booleans(),
 )
 def test_invariants_over_random_workloads(
-    specs, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, policy, chunked
+    specs, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, policy, chunked, caching
 ) -> None:
     # Every request must fit alone, as the engine's admission check guarantees.
     specs = [s for s in specs if -(-(s[0] + s[1]) // block_size) <= num_blocks]
@@ -182,6 +187,7 @@ def test_invariants_over_random_workloads(
         max_num_batched_tokens,
         enable_chunked_prefill=chunked,
         policy=policy,
+        enable_prefix_caching=caching,
     )
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
@@ -205,12 +211,15 @@ def test_invariants_over_random_workloads(
         assert plan.num_scheduled_tokens <= max_num_batched_tokens
         assert len(scheduler.running) <= max_num_seqs
         assert len({s.request_id for s in plan.scheduled}) == len(plan.scheduled)
-        # No block owned twice; free + used = total; owners' blocks are not free.
-        owned = [b for r in scheduler.requests.values() for b in manager.block_ids(r.request_id)]
-        assert len(owned) == len(set(owned))
+        # No block twice in one table; free + used = total; a block's count is its number of
+        # holders (1 each without caching); held blocks are not free.
+        tables = [manager.block_ids(r.request_id) for r in scheduler.requests.values()]
+        assert all(len(t) == len(set(t)) for t in tables)
+        owned = [b for t in tables for b in t]
         assert pool.num_free_blocks + pool.num_used_blocks == num_blocks
-        assert len(owned) == pool.num_used_blocks
-        assert not any(pool.is_free(b) for b in owned)
+        assert len(set(owned)) == pool.num_used_blocks
+        assert all(pool.ref_count(b) == owned.count(b) for b in set(owned))
+        assert caching or len(owned) == len(set(owned))
         for item in plan.scheduled:
             end = item.start_position + len(item.token_ids)
             assert len(item.block_ids) * block_size >= end
