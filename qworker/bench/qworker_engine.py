@@ -83,7 +83,13 @@ class QworkerEngineSystem(System):
 
     def _counters(self) -> dict[str, int]:
         engine = self._engine()
-        counters = {"num_preemptions": engine.scheduler.num_preemptions, "num_steps": engine.num_steps}
+        counters = {
+            "num_preemptions": engine.scheduler.num_preemptions,
+            "num_steps": engine.num_steps,
+            # Prefill work: prompt tokens computed (prefix-cache hits are not) and the hits.
+            "num_prompt_tokens_computed": engine.scheduler.num_prompt_tokens_computed,
+            "num_prefix_cache_hit_tokens": engine.kv_stats().num_prefix_cache_hits,
+        }
         graphs = engine.runner.cuda_graphs
         if graphs is not None:
             counters["num_graph_steps"] = graphs.num_runs

@@ -306,7 +306,9 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
             "",
             "Waste is reserved-but-empty slots over reserved slots, summed over engine steps. Paged: the "
             "empty tail of each request's last block. Contiguous: reserving prompt + max_tokens per "
-            "running request up front. max_model_len: reserving the whole context per request.",
+            "running request up front. max_model_len: reserving the whole context per request. "
+            "Peak blocks used counts blocks some request holds (a shared prefix block once). Prefill "
+            "tokens computed: prompt tokens the model ran (prefix-cache hits excluded).",
             "",
         ]
         rows = []
@@ -324,6 +326,8 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                     format_number(kv["max_model_len_waste_pct"]),
                     format_number(kv["contiguous_to_paged_slots"], 2),
                     str(kv["num_preemptions"]),
+                    str(run["meta"].get("num_prompt_tokens_computed", "n/a")),
+                    str(run["meta"].get("num_prefix_cache_hit_tokens", "n/a")),
                 ]
             )
         lines += markdown_table(
@@ -337,6 +341,8 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                 "max_model_len waste %",
                 "contiguous ÷ paged slots",
                 "preemptions",
+                "prefill tokens computed",
+                "prefix-cache hit tokens",
             ],
             rows,
         )
