@@ -189,7 +189,11 @@ def parse_prompt(value: Any) -> str | list[int]:
         return value
     if _is_token_list(value):
         return list(value)
-    if isinstance(value, list) and len(value) > 1:
+    if (
+        isinstance(value, list)
+        and len(value) > 1
+        and all(isinstance(v, str) or _is_token_list(v) for v in value)
+    ):
         raise RowError(
             f"prompt holds {len(value)} prompts; a batch row takes one: give each its own row",
             param="prompt",
@@ -242,6 +246,11 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
     logprobs -> logprobs, and with echo also prompt_logprobs. Value ranges of the rest are
     SamplingParams' own checks."""
     kwargs = {name: body[name] for name in PASSTHROUGH_FIELDS if body.get(name) is not None}
+    stop = kwargs.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise RowError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
     n = _optional_int(body, "n", 1, 128)
     if n is not None and n != 1:
         kwargs["n"] = n
