@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +21,9 @@ from qworker.batch.progress import BatchSummary, Progress, ProgressMode
 from qworker.batch.rows import RowFailure, RowRequest, prepare_rows
 from qworker.cli_options import engine_options
 from qworker.config import EngineConfig
+
+if TYPE_CHECKING:
+    from qworker.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("qworker.batch")
 
@@ -50,8 +53,9 @@ class BatchRun:
     progress_interval_s: float = 10.0
 
 
-def run_batch(run: BatchRun, engine_config: EngineConfig) -> BatchSummary:
+def run_batch(run: BatchRun, engine_config: EngineConfig, engine: LLMEngine | None = None) -> BatchSummary:
     """Check the input, then run every row without a line in the output yet, and return the counts.
+    Local mode loads the engine from `engine_config` unless given a loaded (say, warmed up) one.
 
     Raises BatchFileError (the input), OutputFileError (an output it cannot resume from) or
     BatchLocationError before anything is written or enqueued."""
@@ -100,7 +104,7 @@ def run_batch(run: BatchRun, engine_config: EngineConfig) -> BatchSummary:
     try:
         # Nothing left to run (a rerun of a finished batch): no model to load, no queue to open.
         if summary.num_to_run > 0 and run.queue is None:
-            _run_local(engine_config, run, output, summary, rows)
+            _run_local(engine or _load_engine(engine_config), run, output, summary, rows)
         elif summary.num_to_run > 0:
             _run_pool(engine_config, run, output, summary, rows, journal_path)
     finally:
@@ -110,19 +114,25 @@ def run_batch(run: BatchRun, engine_config: EngineConfig) -> BatchSummary:
     return summary
 
 
+def _load_engine(engine_config: EngineConfig) -> LLMEngine:
+    from qworker.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config)
+
+
 def _run_local(
-    engine_config: EngineConfig,
+    engine: LLMEngine,
     run: BatchRun,
     output: BatchOutput,
     summary: BatchSummary,
     rows: Iterator[RowRequest | RowFailure],
 ) -> None:
     from qworker.batch.local import LocalRunner
-    from qworker.engine.llm_engine import LLMEngine
 
+    # Made after the model loaded: the progress and the throughput count the run alone.
     progress = Progress(summary, run.progress, run.progress_interval_s)
     try:
-        LocalRunner(LLMEngine(engine_config), output, progress).run(rows)
+        LocalRunner(engine, output, progress).run(rows)
     finally:
         progress.close()
 
