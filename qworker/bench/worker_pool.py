@@ -115,7 +115,13 @@ def is_ready(port: int, timeout_s: float = 0.5) -> bool:
 
 
 def spawn_worker(
-    queue_url: str, model: str, name: str, worker_args: Sequence[str], log_path: Path, num_threads: int
+    queue_url: str,
+    model: str,
+    name: str,
+    worker_args: Sequence[str],
+    log_path: Path,
+    num_threads: int,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start `qworker worker` the way the Deployment does: the queue URL in the environment, the
     endpoints on a port of their own. Returns the process and that port."""
@@ -125,6 +131,7 @@ def spawn_worker(
         QUEUE_URL_ENV: queue_url,
         "OMP_NUM_THREADS": str(num_threads),
         "PYTHONUNBUFFERED": "1",
+        **(extra_env or {}),
     }
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -293,10 +300,12 @@ def measure_cold_start(
     *,
     job: dict[str, Any],
     num_threads: int,
+    extra_env: dict[str, str] | None = None,
     timeout_s: float = 600.0,
 ) -> ColdStart:
     """Put `job` on the queue, start one worker and time it: process start -> /readyz 200, and ->
-    the job's first token (the engine's clock, in the stored result), and -> its stored result."""
+    the job's first token (the engine's clock, in the stored result), and -> its stored result.
+    `extra_env`: e.g. QWORKER_CACHE_DIR of an empty folder, for a node's very first start."""
     from qworker.worker.client import Client
 
     with Client(queue=queue_url) as client:
@@ -305,7 +314,7 @@ def measure_cold_start(
         started_wall = time.time()
         started = time.monotonic()
         process, port = spawn_worker(
-            queue_url, model, name, worker_args, log_dir / f"{name}.log", num_threads
+            queue_url, model, name, worker_args, log_dir / f"{name}.log", num_threads, extra_env
         )
         try:
             ready_s = None
