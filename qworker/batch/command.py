@@ -70,6 +70,11 @@ def run_batch(run: BatchRun, engine_config: EngineConfig, engine: LLMEngine | No
         from qworker.batch.files import BatchLocationError
 
         raise BatchLocationError(f"input, output and errors must be three different files: {named}")
+    if run.queue is not None and run.results is None:
+        from qworker.worker.connections import default_results_url
+
+        # An sqs:// queue needs --results: say so before anything is written.
+        default_results_url(run.queue)
     checked = check_input(input_location)
     batch_id = run.batch_id or checked.content_hash[:24]
     served = run.served_model_names or [engine_config.model]

@@ -12,8 +12,8 @@ import hashlib
 import json
 import logging
 import os
+from io import BufferedWriter
 from pathlib import Path
-from typing import BinaryIO
 
 from qworker.batch.files import Location, download, upload
 from qworker.batch.format import BatchOutputLine
@@ -73,9 +73,12 @@ class OutputFile:
 
     def __init__(self, location: Location, work_dir: Path) -> None:
         self.location = location
-        self.path = state_path(work_dir, location, "staging.jsonl") if location.is_s3 else location.path
-        assert self.path is not None, "a local location has a path"
-        self._file: BinaryIO | None = None
+        if location.is_s3:
+            self.path = state_path(work_dir, location, "staging.jsonl")
+        else:
+            assert location.path is not None, "a local location has a path"
+            self.path = location.path
+        self._file: BufferedWriter | None = None
         self.num_lines_written = 0
 
     def load(self, resume: bool) -> set[str]:

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -82,7 +83,11 @@ def job_for(row: RowRequest, default_max_tokens: int) -> Job:
     """The row as a job; RowError when the job schema refuses it."""
     try:
         params = row.sampling_params(row.max_tokens or default_max_tokens)
-        common = {"id": row.request_id, "params": params, "metadata": {"custom_id": row.custom_id}}
+        common: dict[str, Any] = {
+            "id": row.request_id,
+            "params": params,
+            "metadata": {"custom_id": row.custom_id},
+        }
         if row.messages is not None:
             return Job(messages=[ChatMessage(**m) for m in row.messages], **common)
         if isinstance(row.prompt, str):

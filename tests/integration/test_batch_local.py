@@ -182,9 +182,8 @@ def test_a_bad_file_fails_whole_with_exit_code_2_and_writes_nothing(model_dir, t
 
 
 def bad_row(custom_id: str, url: str = CHAT_URL, **body) -> dict:
-    return batch_row(
-        custom_id, url, {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], **body}
-    )
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **body}
+    return batch_row(custom_id, url, body)
 
 
 @pytest.mark.timeout(120)
