@@ -33,6 +33,8 @@ PENDING_FIELDS: frozenset[str] = frozenset({"n", "logprobs", "top_logprobs"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # OpenAI's bounds: top_logprobs 0-20 (chat); vLLM allows completions' logprobs up to 20 as well.
 MAX_TOP_LOGPROBS = 20
+# OpenAI's bound on completions per request.
+MAX_N = 128
 
 # Body fields mapped onto SamplingParams under the same name when given (not null).
 PASSTHROUGH_FIELDS = (
@@ -251,7 +253,7 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
         raise RowError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
-    n = _optional_int(body, "n", 1, 128)
+    n = _optional_int(body, "n", 1, MAX_N)
     if n is not None and n != 1:
         kwargs["n"] = n
     num_top: int | None = None
@@ -267,7 +269,9 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
         elif top_logprobs:
             raise RowError("top_logprobs needs logprobs set to true", param="top_logprobs")
     else:
-        max_tokens = body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
         num_top = _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         if num_top is not None:
             kwargs["logprobs"] = num_top

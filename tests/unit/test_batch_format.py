@@ -94,6 +94,7 @@ def test_openai_and_vllm_names_reach_sampling_params():
     assert parse({"prompt": [[5, 6, 7]]}, COMPLETIONS).prompt == [5, 6, 7]
     assert parse({"prompt": ["one"]}, COMPLETIONS).prompt == "one"
     assert parse({"prompt": "x"}, COMPLETIONS).model == "tiny", "no model: the first served name"
+    assert parse({"prompt": "x", "max_tokens": None}, COMPLETIONS).max_tokens == 16
 
 
 @pytest.mark.timeout(10)
