@@ -2,8 +2,9 @@
 
     python scripts/pool_autoscale.py timeline [--cycles 2] [--out bench_out/pool-autoscale]
                                               [--plot-to docs/img/pool-autoscale-timeline.png]
+    python scripts/pool_autoscale.py plot bench_out/pool-autoscale/timeline.json --to PNG
     python scripts/pool_autoscale.py cold-start [--model smollm2] [--threads 2] [--repeats 3]
-                                                [--first-start]
+                                                [--first-start N]
 
 timeline: the pool test's scenario (qworker.bench.pool_scenario.bursty_config) with more cycles:
 KEDA and the HPA played on the exporter's pool-demand signal, real worker processes on a tiny
@@ -12,7 +13,7 @@ one). Writes timeline.json (every poll, every worker, every job) and timeline.pn
 
 cold-start: one worker started with a job already waiting, as at scale from zero, timed from
 process start to /readyz 200 and to the job's first token (qworker.bench.worker_pool). With
---first-start, first one start on an empty cache folder (a node's first start: the GGUF
+--first-start N, first N starts on an empty cache folder (a node's first start: the GGUF
 conversion and the CPU kernel build). Prints a JSON record with the machine and its load.
 
 A thin driver over qworker.bench.
@@ -95,16 +96,31 @@ def timeline(args: argparse.Namespace) -> None:
     )
     print(run.format_timeline())
     print(json.dumps(run.summary(), indent=1))
+    payload = run.to_json()
     write_timeline_json(run, out / "timeline.json")
     plots = [out / "timeline.png"] + ([Path(args.plot_to)] if args.plot_to else [])
-    title = (
-        f"Autoscaled pool: KEDA + HPA on qworker_pool_demand_blocks (target {config.policy.target_value:g} "
-        f"blocks/worker, max {config.policy.max_replicas}), {run.summary()['num_jobs']} jobs, "
-        f"{load_before['cpu']}, load {load_before['load_average'][0]}"
-    )
     for path in plots:
-        plot_timeline(run, path, title)
+        plot_timeline(payload, path, title_of(payload))
     print(f"wrote {out / 'timeline.json'} and " + ", ".join(str(p) for p in plots))
+
+
+def title_of(payload: dict[str, Any]) -> str:
+    policy = payload["config"]["policy"]
+    host = payload["notes"].get("machine", {})
+    load = host.get("load_average", ["?"])[0]
+    model = payload["notes"].get("model", "?").split(" (")[0]
+    return (
+        f"KEDA + HPA played on qworker_pool_demand_blocks (target {policy['target_value']:g} blocks per "
+        f"worker, max {policy['max_replicas']}), {payload['summary']['num_jobs']} jobs, {model};\n"
+        f"{host.get('cpu', '?')}, {host.get('num_cpus', '?')} cores shared with other work (1-min load "
+        f"{load} at the start)"
+    )
+
+
+def plot(args: argparse.Namespace) -> None:
+    payload = json.loads(Path(args.timeline_json).read_text())
+    plot_timeline(payload, Path(args.to), title_of(payload))
+    print(f"wrote {args.to}")
 
 
 def cold_start(args: argparse.Namespace) -> None:
@@ -170,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench_out/pool-autoscale")
     p.add_argument("--plot-to", default=None, help="also write the plot here (docs/img/...)")
     p.set_defaults(func=timeline)
+    r = sub.add_parser("plot", help="draw a stored timeline.json again")
+    r.add_argument("timeline_json")
+    r.add_argument("--to", required=True, help="the PNG to write")
+    r.set_defaults(func=plot)
     c = sub.add_parser("cold-start", help="process start -> ready -> first token of one worker")
     c.add_argument("--model", default="smollm2")
     c.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS (the Deployment's is 2)")

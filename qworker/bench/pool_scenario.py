@@ -510,69 +510,68 @@ def write_timeline_json(run: ScenarioRun, path: Path) -> None:
     path.write_text(json.dumps(run.to_json(), indent=1) + "\n")
 
 
-def plot_timeline(run: ScenarioRun, path: Path, title: str) -> None:
-    """Three panels over time: replicas (asked, ready) and the HPA's desired count; KV demand
-    against what the replicas serve at the target utilisation; job arrivals, queue depth and
-    queue wait."""
+def plot_timeline(payload: dict[str, Any], path: Path, title: str) -> None:
+    """Three panels over time, from a run's JSON (ScenarioRun.to_json): replicas (asked, ready)
+    with the HPA's and the signal's desired counts; KV demand against what the replicas serve at
+    the target value; job arrivals, queue depth, running jobs and the queue wait p99. Phase starts
+    are marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = run.rows
-    ts = [r.t_s for r in rows]
-    fig, (ax_rep, ax_dem, ax_q) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
-    ax_rep.step(ts, [r.replicas for r in rows], where="post", label="replicas (asked)", linewidth=2)
-    ax_rep.step(ts, [r.num_ready for r in rows], where="post", label="ready", linestyle="--")
-    ax_rep.step(ts, [r.hpa_desired for r in rows], where="post", label="HPA desired (bounded)", linestyle=":")
-    ax_rep.step(
-        ts,
-        [r.signal_desired for r in rows],
-        where="post",
-        label="signal: desired workers (unbounded)",
-        alpha=0.5,
-    )
-    ax_rep.set_ylim(-0.2, run.config.policy.max_replicas + 1.5)
-    ax_rep.set_ylabel("workers")
-    ax_rep.legend(loc="upper right", fontsize=8)
+    rows = payload["timeline"]
+    policy = payload["config"]["policy"]
+    poll_s = payload["config"]["poll_interval_s"]
+    ts = [r["t_s"] for r in rows]
 
-    target = run.config.policy.target_value
-    ax_dem.plot(ts, [r.demand_blocks for r in rows], label="demand (KV blocks)", color="tab:red")
+    def series(key: str) -> list[Any]:
+        return [r[key] for r in rows]
+
+    fig, (ax_rep, ax_dem, ax_q) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
+    ax_rep.step(ts, series("replicas"), where="post", label="replicas (asked)", linewidth=2)
+    ax_rep.step(ts, series("num_ready"), where="post", label="ready (/readyz 200)", linestyle="--")
+    ax_rep.step(ts, series("hpa_desired"), where="post", label="HPA desired (bounded)", linestyle=":")
+    ax_rep.step(ts, series("signal_desired"), where="post", label="signal: desired workers", alpha=0.4)
+    ax_rep.set_ylim(-0.2, policy["max_replicas"] + 1.6)
+    ax_rep.set_ylabel("workers")
+    ax_rep.legend(loc="upper right", fontsize=8, ncol=4)
+
+    target = policy["target_value"]
+    ax_dem.plot(ts, series("demand_blocks"), label="demand (qworker_pool_demand_blocks)", color="tab:red")
     ax_dem.step(
         ts,
-        [r.replicas * target for r in rows],
+        [n * target for n in series("replicas")],
         where="post",
         label="replicas x target value",
         color="tab:blue",
     )
     ax_dem.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"target value {target:g}")
     ax_dem.set_ylabel("KV blocks")
-    ax_dem.set_yscale("symlog", linthresh=target)
     ax_dem.legend(loc="upper right", fontsize=8)
 
-    arrivals = [s for _, s in run.submitted.values()]
-    bins = np.arange(0, (ts[-1] if ts else 1) + run.config.poll_interval_s, run.config.poll_interval_s)
+    arrivals = [job["submitted_s"] for job in payload["jobs"]]
+    bins = np.arange(0.0, (ts[-1] if ts else 1.0) + poll_s, poll_s)
     ax_q.hist(arrivals, bins=bins, color="lightgray", label="jobs arriving (per poll)")
-    ax_q.plot(ts, [r.waiting_jobs for r in rows], label="waiting jobs (queue depth)", color="tab:purple")
-    ax_q.plot(ts, [r.running_jobs for r in rows], label="running jobs", color="tab:green")
+    ax_q.plot(ts, series("waiting_jobs"), label="waiting jobs (queue depth)", color="tab:purple")
+    ax_q.plot(ts, series("running_jobs"), label="running jobs", color="tab:green")
     ax_q.set_ylabel("jobs")
     ax_q.set_xlabel("seconds")
     ax_wait = ax_q.twinx()
-    wait_ts = [r.t_s for r in rows if r.queue_wait_p99_s is not None]
-    ax_wait.plot(
-        wait_ts,
-        [r.queue_wait_p99_s for r in rows if r.queue_wait_p99_s is not None],
-        "k.",
-        markersize=4,
-        label="queue wait p99 (s)",
-    )
-    ax_wait.set_ylabel("queue wait p99, s")
+    waits = [(r["t_s"], r["queue_wait_p99_s"]) for r in rows if r["queue_wait_p99_s"] is not None]
+    ax_wait.plot([t for t, _ in waits], [w for _, w in waits], "k.", markersize=3, label="queue wait p99 (s)")
+    ax_wait.set_ylabel("queue wait p99 of the jobs starting, s")
     handles, labels = ax_q.get_legend_handles_labels()
-    h2, l2 = ax_wait.get_legend_handles_labels()
-    ax_q.legend(handles + h2, labels + l2, loc="upper right", fontsize=8)
+    more_handles, more_labels = ax_wait.get_legend_handles_labels()
+    ax_q.legend(handles + more_handles, labels + more_labels, loc="upper right", fontsize=8)
+
+    for name, start_s in payload.get("burst_started_s", {}).items():
+        for ax in (ax_rep, ax_dem, ax_q):
+            ax.axvline(start_s, color="black", linewidth=0.5, alpha=0.3)
+        ax_rep.annotate(name, (start_s + 0.5, policy["max_replicas"] + 0.3), fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
