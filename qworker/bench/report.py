@@ -80,6 +80,70 @@ def comparisons(runs: Sequence[dict[str, Any]], baseline: str | None) -> list[di
     return out
 
 
+def throughput_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every pair of engine-mode runs at the same rate: output tok/s of one over the other's, each
+    pair once, in the order the systems ran (the first named system over the later ones)."""
+    by_rate: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        if run["mode"] == "engine":
+            by_rate.setdefault(run["rate_label"], []).append(run)
+    out = []
+    for rate_label, rate_runs in by_rate.items():
+        for i, run in enumerate(rate_runs):
+            for other in rate_runs[i + 1 :]:
+                ratio = _ratio(run["summary"]["output_throughput"], other["summary"]["output_throughput"])
+                if ratio is None:
+                    continue
+                out.append(
+                    {
+                        "name": run["name"],
+                        "other": other["name"],
+                        "rate_label": rate_label,
+                        "output_throughput_x": ratio,
+                        "both_clean": is_clean(run["summary"]) and is_clean(other["summary"]),
+                    }
+                )
+    return out
+
+
+def _compute_limit_lines(limit: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[str]:
+    max_tput = limit["max_output_throughput"]
+    lines = [
+        "",
+        "## Compute limit",
+        "",
+        f"The workload's linear-layer matmuls ({limit['flops'] / 1e12:.2f} TFLOP: "
+        f"{limit['schedule']['num_forward_tokens']:,} tokens through the decoder, the lm_head on "
+        f"{limit['schedule']['num_sampled_tokens']:,} sampled positions) take {limit['seconds']:.1f} s at "
+        f"the rates `F.linear` reached in this run ({limit['dtype']}, {limit['torch_threads']} threads, "
+        "best of 5, at each step's row count of the whole request set run together): no engine makes "
+        f"more than **{format_number(max_tput)} output tok/s** on these requests.",
+        "",
+    ]
+    rows = [
+        [
+            r["name"],
+            format_number(r["summary"]["output_throughput"]),
+            format_number(100 * r["summary"]["output_throughput"] / max_tput) + "%",
+        ]
+        for r in runs
+        if r["rate_label"] == limit["rate_label"]
+    ]
+    lines += markdown_table(["system", "output tok/s", "of the compute limit"], rows)
+    by_rows: dict[int, dict[str, float]] = {}
+    shapes: list[str] = []
+    for point in limit["rates"]:
+        by_rows.setdefault(point["rows"], {})[point["shape"]] = point["tflops"]
+        if point["shape"] not in shapes:
+            shapes.append(point["shape"])
+    lines += ["", "Measured matmul rates (TFLOP/s) by rows:", ""]
+    lines += markdown_table(
+        ["rows", *shapes],
+        [[str(n), *(format_number(by_rows[n].get(s), 3) for s in shapes)] for n in sorted(by_rows)],
+    )
+    return lines
+
+
 def saturation(runs: Sequence[dict[str, Any]], sustain_ttft_s: float) -> list[dict[str, Any]]:
     """Per system: the highest rate (going up from the lowest) it sustained, meaning every
     request completed and p99 TTFT <= sustain_ttft_s, and the first rate where p99 TTFT passed
@@ -158,6 +222,9 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
     lines += [
         f"Run {meta['created_at']} on {host['platform']} ({host['cpu_count']} CPUs, torch "
         f"{host['torch_version']}, {host['torch_threads']} threads). Command: `{meta['command']}`",
+        "",
+        f"CPU: {host.get('cpu_model') or 'unknown'}; flags: "
+        f"{', '.join(host.get('cpu_flags') or []) or 'none of avx2/avx512/amx'}.",
         "",
         "Timestamps are taken where tokens appear (engine mode: after each engine step; queue mode: "
         "on the client as deltas arrive). Latency statistics cover completed requests; `failed` "
@@ -259,6 +326,24 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
         lines += markdown_table(
             ["system", "rate", "output tok/s ×", "req/s ×", "p99 TTFT ×", "p99 ITL ×", "p99 E2EL ×"], rows
         )
+
+    ratios = throughput_ratios(runs)
+    if ratios:
+        lines += ["", "## Output throughput ratios, same rate, same requests", ""]
+        lines += markdown_table(
+            ["system", "against", "rate", "output tok/s ×"],
+            [
+                [
+                    r["name"],
+                    r["other"],
+                    r["rate_label"],
+                    format_number(r["output_throughput_x"], 2) + ("" if r["both_clean"] else " *"),
+                ]
+                for r in ratios
+            ],
+        )
+    if payload.get("compute_limit"):
+        lines += _compute_limit_lines(payload["compute_limit"], runs)
 
     sat = payload.get("saturation") or []
     if sat and any(len(s["rates"]) > 1 for s in sat):

@@ -25,7 +25,14 @@ VLLM_ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 MAX_MODEL_LEN = 2048
-_OPTION_TYPES = {"block_size": int, "max_num_seqs": int, "max_num_batched_tokens": int, "chunked": str}
+_OPTION_TYPES = {
+    "block_size": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "chunked": str,
+    "prefix_caching": str,
+}
+_ON_WORDS = ("on", "true", "1")
 
 
 def is_vllm_available() -> bool:
@@ -33,12 +40,15 @@ def is_vllm_available() -> bool:
 
 
 def vllm_options(label: str, options: dict[str, str]) -> dict[str, Any]:
+    """A spec's vLLM engine options (`key=value` strings) as vLLM's engine arguments."""
     out: dict[str, Any] = {}
     for key, value in options.items():
         if key not in _OPTION_TYPES:
             raise ValueError(f"system {label!r}: unknown vllm option {key!r}; known: {sorted(_OPTION_TYPES)}")
         if key == "chunked":
-            out["enable_chunked_prefill"] = value.lower() in ("on", "true", "1")
+            out["enable_chunked_prefill"] = value.lower() in _ON_WORDS
+        elif key == "prefix_caching":
+            out["enable_prefix_caching"] = value.lower() in _ON_WORDS
         else:
             out[key] = int(value)
     return out
