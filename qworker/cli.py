@@ -7,6 +7,8 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +19,7 @@ from qworker.batch.command import batch
 from qworker.bench.command import bench
 from qworker.cli_options import config_options, engine_options, worker_options
 from qworker.config import EngineConfig
+from qworker.errors import ConnectError, EngineFailedError, QworkerError
 from qworker.worker.demand import PoolSizing
 from qworker.worker.exporter import DEFAULT_EXPORTER_PORT, DEFAULT_INTERVAL_S
 from qworker.worker.settings import WorkerSettings
@@ -33,6 +36,91 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"max_content_width": HELP_WIDTH},
 )
+
+# Exit codes (docs/WORKER.md lists them). 0: done (burst) or drained (SIGTERM); 1: an unexpected
+# error, with its traceback; 2: click's usage error, also a bad URL or model.
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3  # a queue or result store that cannot be reached or logged in to
+EXIT_ENGINE_FAILED = 4  # engine steps failed max_step_failures times in a row
+
+AWS_CREDENTIAL_SOURCES = (
+    "boto3 looked in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), the shared files "
+    "(~/.aws/credentials, ~/.aws/config, AWS_PROFILE) and the container or instance role"
+)
+
+
+def connection_problem(exc: BaseException) -> str | None:
+    """What went wrong, in a line, when `exc` is a client library's failure to reach or log in to
+    a server (redis-py, botocore, kombu); None for anything else."""
+    try:
+        import redis
+
+        if isinstance(exc, redis.AuthenticationError):
+            return f"the server refused the credentials: {exc}"
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            return str(exc) or type(exc).__name__
+    except ImportError:
+        pass
+    try:
+        import botocore.exceptions as boto
+
+        if isinstance(exc, (boto.NoCredentialsError, boto.PartialCredentialsError)):
+            return f"no AWS credentials found: {AWS_CREDENTIAL_SOURCES}"
+        if isinstance(exc, (boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ProfileNotFound)):
+            return str(exc)
+        if isinstance(exc, boto.ClientError):
+            error = exc.response.get("Error", {})
+            return f"the service answered {error.get('Code', '?')}: {error.get('Message', exc)}"
+    except ImportError:
+        pass
+    try:
+        from kombu.exceptions import OperationalError
+
+        if isinstance(exc, OperationalError):
+            return str(exc)
+    except ImportError:
+        pass
+    return None
+
+
+@contextmanager
+def connecting(role: str, url: str | None) -> Iterator[None]:
+    """Opening the `role` store ("queue", "results") at `url`: a failure to reach it becomes a
+    ConnectError that names it (redacted) and says what was tried."""
+    from qworker.worker.connections import redact_url
+
+    try:
+        yield
+    except Exception as exc:
+        problem = connection_problem(exc)
+        if problem is None:
+            raise
+        raise ConnectError(f"cannot connect to the {role} at {redact_url(url)}: {problem}") from exc
+
+
+@contextmanager
+def reported_errors() -> Iterator[None]:
+    """Errors a user can fix (a bad URL or model, an unreachable store, a broken engine) end the
+    command with one line on stderr and their exit code; the traceback is logged at DEBUG.
+    Anything else propagates with its traceback (exit 1)."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, EngineFailedError):
+            code = EXIT_ENGINE_FAILED
+        elif isinstance(exc, ConnectError):
+            code = EXIT_UNREACHABLE
+        elif isinstance(exc, QworkerError):
+            code = EXIT_USAGE
+        else:
+            problem = connection_problem(exc)
+            if problem is None:
+                raise
+            exc, code = ConnectError(f"lost the connection: {problem}"), EXIT_UNREACHABLE
+        logging.getLogger("qworker.cli").debug("the error in full", exc_info=True)
+        typer.echo(f"qworker: error: {exc}", err=True)
+        raise typer.Exit(code) from None
+
 
 # URLs may carry passwords: from the environment or a file they stay out of the process list.
 QUEUE_URL_ENV = "QWORKER_QUEUE_URL"
@@ -125,9 +213,12 @@ def worker(
     """Serve jobs from a queue until SIGTERM (then drain and exit 0)."""
     queue = url_from(queue, queue_url_file, "--queue")
     results = url_from(results, results_url_file, "--results")
-    serve_worker(
-        engine_config, settings, WorkerRun(queue, results, stream_results, lease_timeout_s, burst, log_level)
-    )
+    with reported_errors():
+        serve_worker(
+            engine_config,
+            settings,
+            WorkerRun(queue, results, stream_results, lease_timeout_s, burst, log_level),
+        )
 
 
 def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: WorkerRun) -> None:
@@ -155,9 +246,11 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
 
     queue_url = resolve_url(run.queue)
     # Connect first: a wrong URL fails in a second, not after the model has loaded.
-    source = open_source(queue_url, consumer=settings.name, lease_timeout_s=run.lease_timeout_s)
+    with connecting("queue", queue_url):
+        source = open_source(queue_url, consumer=settings.name, lease_timeout_s=run.lease_timeout_s)
     results_url = run.results or default_results_url(queue_url)
-    sink = open_sink(results_url, run.stream_results)
+    with connecting("results", results_url):
+        sink = open_sink(results_url, run.stream_results)
     logging.getLogger("qworker.cli").info(
         "worker %s: queue %s, results %s%s",
         settings.name,
@@ -204,7 +297,9 @@ def submit(
         job["prompt"] = prompt
     else:
         job["messages"] = [{"role": "user", "content": prompt}]
-    with Client(queue=queue, results=results, stream_results=stream_results) as client:
+    with reported_errors(), connecting("queue", queue):
+        client = Client(queue=queue, results=results, stream_results=stream_results)
+    with reported_errors(), client:
         job_id = client.submit(job)
         typer.echo(f"job {job_id}", err=True)
         if not wait and not stream:

@@ -1,5 +1,7 @@
 """Typed errors. Bad user input raises one of these with a message that says what to fix."""
 
+from __future__ import annotations
+
 
 class QworkerError(Exception):
     """Base class for every error qworker raises on purpose."""
@@ -19,3 +21,41 @@ class PromptTooLongError(InvalidRequestError):
 
 class UnknownModelError(QworkerError, ValueError):
     """The model name or path does not resolve to a model qworker can load."""
+
+
+class EngineStepError(QworkerError):
+    """One engine step failed after it was scheduled. `request_ids` are the requests the step ran:
+    their state is unknown, so the caller should abort them (which frees their KV blocks); the
+    engine's other requests are untouched. The original exception is the `__cause__`."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+class EngineFailedError(QworkerError):
+    """The engine failed `num_failures` steps in a row: it is broken, not one job. The worker has
+    released the jobs it held to its peers and stops."""
+
+    def __init__(self, message: str, num_failures: int) -> None:
+        super().__init__(message)
+        self.num_failures = num_failures
+
+
+class StreamRestartedError(QworkerError):
+    """A job's live stream restarted (a new attempt after its worker died or released it) and the
+    new attempt's text differs from the text already yielded. Read the stream again from the
+    start: it then begins with the latest attempt."""
+
+    def __init__(self, job_id: str, attempt: int) -> None:
+        super().__init__(
+            f"job {job_id} restarted (attempt {attempt}) and its new text differs from what was "
+            "already streamed; stream it again from the start"
+        )
+        self.job_id = job_id
+        self.attempt = attempt
+
+
+class ConnectError(QworkerError):
+    """A queue or result store that cannot be reached, or that refuses the credentials given (or
+    found none). The message names the store by its redacted URL and says what was tried."""

@@ -44,15 +44,22 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
-        request_ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            self._counter += 1
-            request_ids.append(
-                engine.add_request(
-                    f"gen-{self._counter}", prompt, params, priority=priority[i] if priority else 0
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                self._counter += 1
+                request_ids.append(
+                    engine.add_request(
+                        f"gen-{self._counter}", prompt, params, priority=priority[i] if priority else 0
+                    )
                 )
-            )
-        return self._run(request_ids, use_tqdm)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            # A bad prompt or parameter raises before anything runs, and a failed step leaves
+            # nothing behind: no request of this call stays in the engine for the next one.
+            for request_id in request_ids:
+                engine.abort(request_id)
+            raise
 
     def chat(
         self,

@@ -18,7 +18,7 @@ from qworker.engine.request import Request, RequestStatus
 from qworker.engine.runner import ModelRunner, resolve_device, resolve_dtype
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
-from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError
 from qworker.model.config import ModelConfig
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from qworker.utils import cdiv
@@ -196,6 +196,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt_token_ids(token_ids)
+        params.check_model_limits(self.model_config.vocab_size)
         now = time.time()
         request = Request(request_id, token_ids, params, priority=priority)
         detokenizer = None
@@ -250,12 +251,17 @@ class LLMEngine:
             metrics = self._states[item.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        sampled = self.runner.execute(plan, self.scheduler.requests)
-        self.num_steps += 1
-        self.scheduler.update_from_output(plan, sampled)
-        now = time.time()
-        for request_id, token_id in sampled.items():
-            outputs.append(self._process_token(self._states[request_id], token_id, now))
+        try:
+            sampled = self.runner.execute(plan, self.scheduler.requests)
+            self.num_steps += 1
+            self.scheduler.update_from_output(plan, sampled)
+            now = time.time()
+            for request_id, token_id in sampled.items():
+                outputs.append(self._process_token(self._states[request_id], token_id, now))
+        except Exception as exc:
+            # Which requests ran is known here and nowhere else: the caller aborts them.
+            ran = [*plan.capacity_finished_request_ids, *(item.request_id for item in plan.scheduled)]
+            raise EngineStepError(f"{type(exc).__name__}: {exc}", ran) from exc
         return outputs
 
     def _process_token(self, state: _RequestState, token_id: int, now: float) -> StepOutput:

@@ -294,6 +294,9 @@ class ModelRunner:
         generator = self._generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
+            # SamplingParams keeps seeds within 64 bits; the mask keeps a seed set on the object
+            # afterwards from overflowing the step (torch takes [-2**63, 2**64) and wraps
+            # negatives the same way).
+            generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
             self._generators[request.request_id] = generator
         return generator

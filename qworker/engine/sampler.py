@@ -63,11 +63,15 @@ class Sampler:
         return greedy.tolist()
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = logits.shape[-1]
         for i, row in enumerate(rows):
             if row.num_output_tokens < row.params.min_tokens:
                 banned = list(row.params.stop_token_ids)
                 if not row.params.ignore_eos:
                     banned.extend(self.eos_token_ids)
+                # The engine rejects stop ids outside the vocabulary; an id past the logits can
+                # never be sampled, so there is nothing to ban for it anyway.
+                banned = [t for t in banned if 0 <= t < vocab]
                 if banned:
                     logits[i, banned] = float("-inf")
 
@@ -82,7 +86,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if needs_top_k:
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        # A top_k past the vocabulary keeps every token (as in vLLM); capped here because a
+        # Python int that large does not fit in a tensor.
+        top_k = torch.tensor(
+            [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=logits.device
+        )
         ranks = torch.arange(vocab, device=logits.device)
         remove |= ranks[None, :] >= top_k[:, None]
     if needs_top_p:

@@ -1,19 +1,50 @@
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from qworker.errors import InvalidParamsError
 
-# Far past any context we can hold; rejects absurd values early with a clear message.
+# Far past any context we can hold; rejects absurd values early with a clear message. A request
+# still ends at the model's context (finish_reason "length"), whatever max_tokens says.
 MAX_TOKENS_LIMIT = 1_000_000
+# Seeds are signed 64-bit integers: what torch.Generator.manual_seed takes, and what an int64 in
+# any producer's language holds.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**63 - 1
+# Temperatures between 0 and this are raised to it, as vLLM does: dividing float32 logits by a
+# smaller one overflows to inf, and the softmax of a row with infs is NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-2
+
+
+def _as_float(name: str, value: object) -> float:
+    """`value` as a finite float, or InvalidParamsError naming the parameter."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParamsError(f"{name} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidParamsError(f"{name} must be a finite number, got {value}") from None
+    if not math.isfinite(number):
+        raise InvalidParamsError(f"{name} must be a finite number, got {value!r}")
+    return number
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
     """Sampling parameters, with vLLM's field names and meanings.
 
-    temperature=0 is greedy. top_k=0 or -1 (as in vLLM) means no top-k cut. A `seed` makes the
-    request's random draws depend only on itself, whatever else shares the batch.
+    temperature=0 is greedy; a temperature between 0 and 0.01 is raised to 0.01 (as vLLM does).
+    top_k=0 or -1 (as in vLLM) means no top-k cut, and a top_k above the vocabulary cuts nothing.
+    A `seed` (a signed 64-bit integer) makes the request's random draws depend only on itself,
+    whatever else shares the batch.
+
+    The checks here depend on the values alone. Those that depend on the model (token ids within
+    its vocabulary) run when a request enters the engine: `check_model_limits`.
     """
 
     max_tokens: int = 16
@@ -42,30 +73,46 @@ class SamplingParams:
         def bad(message: str) -> InvalidParamsError:
             return InvalidParamsError(message)
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+        if not _is_int(self.max_tokens):
             raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens <= 0:
             raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.max_tokens > MAX_TOKENS_LIMIT:
             raise bad(f"max_tokens must be at most {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
+        # Floats from here on: the sampler puts them in tensors, where a huge int would overflow.
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0.0:
             raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if 0.0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            self.temperature = MIN_SAMPLING_TEMPERATURE
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise bad(f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be a list of non-negative integers")
+
+    def check_model_limits(self, vocab_size: int) -> None:
+        """Raise InvalidParamsError for values this model cannot run: token ids outside its
+        vocabulary (they would index past the logits)."""
+        outside = [t for t in self.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise InvalidParamsError(
+                f"stop_token_ids {outside[:5]} {'are' if len(outside) > 1 else 'is'} outside the "
+                f"vocabulary [0, {vocab_size})"
+            )
 
     @property
     def is_greedy(self) -> bool:

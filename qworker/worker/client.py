@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from qworker.errors import StreamRestartedError
 from qworker.worker.connections import (
     default_results_url,
     open_producer,
@@ -79,12 +80,41 @@ class Client:
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
         """Yield the job's text deltas as the worker generates them, until its result is stored.
+        The text yielded, joined, is the stored result's text.
+
+        A job runs again when its worker died or released it: the new attempt streams from the
+        start, after an attempt marker. Text yielded before the marker is not repeated: the new
+        attempt's text is followed silently until it passes what was yielded, and only the rest
+        is yielded (a rerun draws the same tokens: the same seed, or greedy). Should the new text
+        differ from what was yielded, this raises StreamRestartedError; stream again to read the
+        latest attempt from its start.
 
         Raises TimeoutError when no output arrives for `timeout` seconds.
         """
+        yielded = ""  # the text handed out so far
+        # While a new attempt catches up with `yielded`: its number and its text so far.
+        attempt: int | None = None
+        attempt_text = ""
         for delta in self.sink.read_deltas(job_id, timeout):
-            if delta.text:
-                yield delta.text
+            if delta.attempt is not None:
+                attempt, attempt_text = delta.attempt, ""
+                continue
+            if attempt is None:
+                if delta.text:
+                    yielded += delta.text
+                    yield delta.text
+                continue
+            attempt_text += delta.text
+            common = min(len(attempt_text), len(yielded))
+            if attempt_text[:common] != yielded[:common]:
+                raise StreamRestartedError(job_id, attempt)
+            if len(attempt_text) > len(yielded):
+                rest = attempt_text[len(yielded) :]
+                yielded, attempt = attempt_text, None
+                yield rest
+        if attempt is not None and attempt_text != yielded:
+            # The new attempt ended with less text than the old one had streamed.
+            raise StreamRestartedError(job_id, attempt)
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the job's stored result. Raises TimeoutError after `timeout` seconds."""

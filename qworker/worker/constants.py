@@ -28,6 +28,11 @@ DELTA_FIELD_TEXT = "text"
 DELTA_FIELD_TOKEN_IDS = "token_ids"
 # Written once, after the result: tells a live reader to stop waiting.
 DELTA_FIELD_DONE = "done"
+# The first entry a second or later attempt of a job writes (value: the attempt number): a reader
+# drops the text of earlier attempts, because the new one streams its text from the start.
+DELTA_FIELD_ATTEMPT = "attempt"
+# What went wrong in a job's latest attempt, for the dead-letter reason of a later one.
+DEFAULT_LAST_ERROR_TTL_S = 24 * 3600
 
 
 def dead_letter_stream(stream: str) -> str:
@@ -44,3 +49,7 @@ def delta_stream_key(prefix: str, job_id: str) -> str:
 
 def cancel_key(prefix: str, job_id: str) -> str:
     return f"{prefix}:cancel:{job_id}"
+
+
+def last_error_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:lasterror:{job_id}"

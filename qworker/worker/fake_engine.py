@@ -21,7 +21,7 @@ from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 from qworker.engine.sampling_params import SamplingParams
-from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError
 from qworker.utils import cdiv
 
 VOCAB_SIZE = 256
@@ -68,7 +68,10 @@ class FakeEngine:
     """Satisfies qworker.worker.engine_protocol.EngineProtocol with scripted outputs.
 
     `on_step(n)` runs at the start of step n (1-based): a test's hook to act mid-run (cancel a
-    job, expire a lease, stop the worker). `added` and `aborted` record request ids in order.
+    job, expire a lease, stop the worker). `failing_steps` makes steps fail as a broken model
+    would: step n raises EngineStepError naming the requests it ran, after taking their blocks
+    (`failing_steps[n]` is the request ids to name, or None for every running one). `added` and
+    `aborted` record request ids in order.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class FakeEngine:
         self.tokenizer: ByteTokenizer | None = ByteTokenizer() if has_tokenizer else None
         self.script = script or (lambda request_id, prompt_token_ids: DEFAULT_SCRIPT)
         self.on_step: Callable[[int], None] | None = None
+        self.failing_steps: dict[int, list[str] | None] = {}
         self.num_steps = 0
         self.added: list[str] = []
         self.aborted: list[str] = []
@@ -130,6 +134,7 @@ class FakeEngine:
             )
         if cdiv(len(token_ids) + 1, self.config.block_size) > self.num_kv_blocks:
             raise PromptTooLongError(f"prompt of {len(token_ids)} tokens does not fit in the KV cache")
+        params.check_model_limits(VOCAB_SIZE)
         script = list(self.script(request_id, token_ids))
         assert script, f"the script gave request {request_id} no tokens"
         self._waiting.append(
@@ -195,6 +200,10 @@ class FakeEngine:
             request.num_blocks = num_blocks
             request.metrics.first_scheduled_time = now
             self._running.append(request)
+        if self.num_steps in self.failing_steps:
+            named = self.failing_steps[self.num_steps]
+            ran = [r.request_id for r in self._running] if named is None else named
+            raise EngineStepError(f"RuntimeError: scripted failure of step {self.num_steps}", ran)
         outputs = []
         for request in list(self._running):
             if request not in self._running:

@@ -6,12 +6,13 @@ parameters are validated by the engine's own SamplingParams, so the rules live i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qworker.engine.sampling_params import SamplingParams
 
@@ -21,6 +22,12 @@ MAX_JOB_BYTES = 2 * 2**20
 # ~4 characters per token: far past the longest context we serve, still cheap to reject.
 MAX_PROMPT_CHARS = 1_000_000
 MAX_JOB_ID_CHARS = 256
+# Metadata comes back in the result as JSON: deeper nesting than this is refused at intake, because
+# the result could not be written or read back (pydantic's JSON stops at a depth of about 200).
+MAX_METADATA_DEPTH = 32
+# Priorities are compared in the scheduler only, but a producer in another language holds an int64.
+MIN_PRIORITY = -(2**63)
+MAX_PRIORITY = 2**63 - 1
 
 # Namespace for ids derived from a message's queue identity when the producer gave none, so
 # that a redelivered message maps to the same job id (and so to the same single result).
@@ -51,7 +58,7 @@ class Job(BaseModel):
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
-    priority: int = 0
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     timeout_s: float | None = Field(
         default=None, gt=0, description="Execution deadline, from when a worker takes the job."
     )
@@ -76,6 +83,10 @@ class Job(BaseModel):
             raise ValueError("messages is empty: give at least one {role, content} message")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.metadata is not None:
+            problem = _json_text_problem(self.metadata, MAX_METADATA_DEPTH)
+            if problem is not None:
+                raise ValueError(f"metadata {problem}")
         return self
 
 
@@ -96,6 +107,13 @@ class Timings(BaseModel):
 class JobError(BaseModel):
     type: str
     message: str
+
+    @field_validator("type", "message")
+    @classmethod
+    def _storable(cls, text: str) -> str:
+        # A message may quote the input (a field name, a value), which may hold a lone surrogate:
+        # escaped here, so that the result can always be written as UTF-8 JSON.
+        return text if is_utf8_text(text) else text.encode("utf-8", "backslashreplace").decode()
 
 
 class JobResult(BaseModel):
@@ -123,6 +141,50 @@ class JobDecodeError(Exception):
         self.message = message
 
 
+def _json_text_problem(value: Any, max_depth: int) -> str | None:
+    """Why `value` (parsed JSON) cannot be written back as UTF-8 JSON, or None: nesting deeper than
+    `max_depth`, or a string with a lone surrogate (JSON's \\ud800 escapes parse to one)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not is_utf8_text(item):
+                return "holds a string that is not valid Unicode (a lone surrogate)"
+        elif isinstance(item, (dict, list)):
+            if depth > max_depth:
+                return f"is nested more than {max_depth} levels deep"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def is_utf8_text(text: str) -> bool:
+    """True when `text` encodes to UTF-8: no lone surrogates (which JSON escapes can produce, and
+    which no store, key or log line can hold)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def job_id_problem(job_id: str) -> str | None:
+    """Why `job_id` cannot name a result (too long, not valid Unicode), or None."""
+    if len(job_id) > MAX_JOB_ID_CHARS:
+        return f"the job id is {len(job_id)} characters; the limit is {MAX_JOB_ID_CHARS}"
+    if not is_utf8_text(job_id):
+        return "the job id is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def derived_seed(job_id: str) -> int:
+    """The sampling seed of a job that gave none: every attempt of the job draws the same tokens
+    (up to floating-point differences between batches), so a rerun after a redelivery streams
+    the text that its readers already saw."""
+    digest = hashlib.blake2b(job_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # within [0, 2**63)
+
+
 def derived_job_id(queue_name: str, message_id: str) -> str:
     """A stable job id for a message whose producer gave none."""
     return str(uuid.uuid5(_JOB_ID_NAMESPACE, f"{queue_name}/{message_id}"))
@@ -133,27 +195,29 @@ def resolve_job_id(envelope_id: str | None, body: bytes, queue_name: str, messag
 
     The envelope's id (a stream field, a message attribute) wins; else the body's `id`; else, for a
     body that is a JSON object without one, an id derived from the message's queue identity.
+    Never raises, whatever the bytes: an id that is too long or not valid Unicode is no id.
     """
     if envelope_id:
-        return envelope_id
+        return envelope_id if job_id_problem(envelope_id) is None else None
     if len(body) > MAX_JOB_BYTES:
         return None
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
     job_id = data.get("id")
     if job_id is None:
         return derived_job_id(queue_name, message_id)
-    return job_id if isinstance(job_id, str) and 0 < len(job_id) <= MAX_JOB_ID_CHARS else None
+    return job_id if isinstance(job_id, str) and job_id and job_id_problem(job_id) is None else None
 
 
 def format_validation_error(error: ValidationError) -> str:
     parts = []
     for item in error.errors(include_url=False):
-        loc = ".".join(str(x) for x in item["loc"]) or "job"
+        # Field names come from the input: an unknown one may be long.
+        loc = ".".join(str(x)[:100] for x in item["loc"]) or "job"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             message = "unknown field"
@@ -175,6 +239,8 @@ def decode_job(body: bytes, job_id: str) -> Job:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise JobDecodeError("InvalidJSON", f"job body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise JobDecodeError("InvalidJSON", "job body is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise JobDecodeError("ValidationError", f"a job must be a JSON object, got {type(data).__name__}")
     if "id" in data and data["id"] != job_id:
@@ -183,9 +249,12 @@ def decode_job(body: bytes, job_id: str) -> Job:
         )
     data = {**data, "id": job_id}
     try:
-        return Job.model_validate(data)
+        job = Job.model_validate(data)
     except ValidationError as exc:
         raise JobDecodeError("ValidationError", format_validation_error(exc)) from None
+    if job.params.seed is None and not job.params.is_greedy:
+        job.params.seed = derived_seed(job_id)
+    return job
 
 
 def encode_job(job: Job) -> bytes:

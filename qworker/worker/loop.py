@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from qworker.engine.outputs import RequestOutput
-from qworker.errors import InvalidRequestError
+from qworker.errors import EngineFailedError, EngineStepError, InvalidRequestError
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats, HeldJobSize
 from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.health import HealthState
@@ -103,6 +103,10 @@ class Worker:
         self.metrics = metrics or WorkerMetrics()
         self.health = health or HealthState()
         self._held: dict[str, _HeldJob] = {}
+        # Written for each job as it enters the engine (one round trip per pull): read back only
+        # if the attempt never ends here, to say why the job is later dead-lettered.
+        self._attempt_notes: dict[str, str] = {}
+        self._num_step_failures = 0
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
         # Seconds per engine step, smoothed: estimates whether a job can finish during a drain.
@@ -195,16 +199,42 @@ class Worker:
             decision.num_jobs_to_pull, self.settings.poll_interval_s if block else 0.0, is_idle=not self._held
         )
         for lease in leases:
-            self._take(lease)
+            self._take_safely(lease)
+        if self._attempt_notes:
+            self.sink.write_last_errors(self._attempt_notes)
+            self._attempt_notes = {}
         return len(leases)
+
+    def _take_safely(self, lease: Lease) -> None:
+        """_take, with an error it did not foresee confined to this one message: the message is
+        dead-lettered with the error (and its job, when it has an id, gets a failed result), and
+        the rest of the batch goes on."""
+        try:
+            self._take(lease)
+        except Exception as exc:
+            reason = f"internal error while taking the job: {type(exc).__name__}: {exc}"
+            logger.error("message %s: %s", lease.message_id, reason)
+            logger.debug("message %s: the error", lease.message_id, exc_info=True)
+            job_id = resolve_job_id(lease.job_id, lease.body, self.source.queue_name, lease.message_id)
+            try:
+                if job_id is None:
+                    self._dead_letter(lease, "InternalError", reason)
+                    return
+                if job_id not in self._held:
+                    self.engine.abort(job_id)  # in case it got that far
+                self._fail_and_dead_letter(lease, job_id, "InternalError", reason)
+            except Exception:
+                # Its lease expires and a later attempt, past max_attempts, dead-letters it first.
+                logger.exception("message %s: cannot dead-letter it either", lease.message_id)
 
     def _take(self, lease: Lease) -> None:
         """Decode one leased message and resolve it at once or hand it to the engine."""
         job_id = resolve_job_id(lease.job_id, lease.body, self.source.queue_name, lease.message_id)
         if job_id is None:
-            self._dead_letter(
-                lease, "Unreadable", "cannot read a job id: the body is not a JSON object and has no id field"
+            reason = (
+                lease.rejection or "cannot read a job id: the body is not a JSON object and has no id field"
             )
+            self._dead_letter(lease, "Unreadable", reason)
             return
         held = self._held.get(job_id)
         if held is not None:
@@ -220,8 +250,13 @@ class Worker:
         if lease.rejection is not None:
             self._fail_and_dead_letter(lease, job_id, "Rejected", lease.rejection)
             return
+        # Before anything that reads the body: a message that broke every attempt so far is not
+        # given another chance to.
         if lease.delivery_count > self.max_attempts:
             reason = f"delivered {lease.delivery_count} times; max_attempts is {self.max_attempts}"
+            last_error = self.sink.last_error(job_id)
+            if last_error:
+                reason += f"; last error: {last_error}"
             self._fail_and_dead_letter(lease, job_id, "DeadLettered", reason)
             return
         if self.settings.log_payloads:
@@ -255,6 +290,14 @@ class Worker:
             logger.warning("job %s: cannot prepare its prompt", job_id, exc_info=self.settings.log_payloads)
             self._fail(lease, job_id, job, "InvalidRequestError", f"cannot prepare the prompt: {exc}")
             return
+        if lease.delivery_count > 1:
+            # This attempt streams from the start: live readers drop what earlier ones streamed.
+            self.sink.write_deltas([Delta(job_id, "", attempt=lease.delivery_count)])
+        self._attempt_notes[job_id] = (
+            f"attempt {lease.delivery_count} (worker {self.name}, begun "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}) ended without a result: "
+            "its worker was killed or crashed, or lost the job's lease"
+        )
         num_prompt_tokens = len(prompt["prompt_token_ids"])
         self.admission.observe_prompt(num_prompt_tokens, self.engine.num_cached_prefix_tokens(job_id))
         deadline = now + job.timeout_s if job.timeout_s is not None else None
@@ -278,7 +321,12 @@ class Worker:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        step_outputs = self.engine.step()
+        try:
+            step_outputs = self.engine.step()
+        except Exception as exc:
+            self._on_step_failure(exc)
+            return
+        self._num_step_failures = 0
         self.stats.num_steps += 1
         self.metrics.observe_step()
         now = time.monotonic()
@@ -304,6 +352,54 @@ class Worker:
             self._complete(held, output, JobStatus.COMPLETED, None)
         elapsed = time.perf_counter() - started
         self._step_seconds += 0.2 * (elapsed - self._step_seconds)
+
+    def _on_step_failure(self, exc: Exception) -> None:
+        """engine.step raised. The jobs of that step (every held job, when the engine cannot say
+        which) get a failed result (InternalError, with the exception's message) and leave the
+        engine, which frees their blocks; the worker carries on. After max_step_failures in a
+        row the engine is broken, not a job: every held job goes back to the queue for a peer and
+        the worker stops with EngineFailedError."""
+        self._num_step_failures += 1
+        limit = self.settings.max_step_failures
+        message = str(exc) if isinstance(exc, EngineStepError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, EngineStepError):
+            job_ids = [job_id for job_id in exc.request_ids if job_id in self._held]
+        else:
+            job_ids = list(self._held)
+        logger.error(
+            "worker %s: engine step failed (%d in a row, limit %d) with %d jobs in it: %s",
+            self.name, self._num_step_failures, limit, len(job_ids), message,
+        )  # fmt: skip
+        logger.debug("the engine step's error", exc_info=exc)
+        if self._num_step_failures >= limit:
+            reason = f"worker {self.name} stopped: its engine failed {limit} steps in a row: {message}"
+            self._hand_back_all(reason)
+            raise EngineFailedError(reason, self._num_step_failures) from exc
+        error = JobError(type="InternalError", message=f"the engine failed while running this job: {message}")
+        for job_id in job_ids:
+            held = self._held[job_id]
+            try:
+                output = self.engine.abort(job_id)
+            except Exception:
+                logger.debug("job %s: abort after the failed step failed too", job_id, exc_info=True)
+                output = None
+            self._complete(held, output, JobStatus.FAILED, error)
+
+    def _hand_back_all(self, reason: str) -> None:
+        """Release every held job at once (their next attempt is a peer's), noting `reason` as
+        their last error."""
+        held = list(self._held.values())
+        for h in held:
+            try:
+                self.engine.abort(h.job.id)
+            except Exception:
+                logger.debug("job %s: abort failed", h.job.id, exc_info=True)
+        self._held.clear()
+        self.sink.write_last_errors({h.job.id: reason for h in held})
+        self.source.release([le for h in held for le in (h.lease, *h.extra_leases)])
+        self.stats.num_released += len(held)
+        self.metrics.observe_released(len(held))
+        logger.info("worker %s released %d jobs to its peers", self.name, len(held))
 
     # -- resolving jobs ----------------------------------------------------------------------
 
@@ -482,6 +578,8 @@ class Worker:
         for held in to_release:
             self.engine.abort(held.job.id)
             self._held.pop(held.job.id)
+        note = f"attempt released by worker {self.name} during a drain (SIGTERM)"
+        self.sink.write_last_errors({h.job.id: note for h in to_release})
         self.source.release([le for h in to_release for le in (h.lease, *h.extra_leases)])
         self.stats.num_released += len(to_release)
         self.metrics.observe_released(len(to_release))

@@ -54,6 +54,14 @@ class WorkerSettings:
     )
     # A job that kills its worker every time must not kill every worker in the pool.
     max_attempts: int = field(default=3, metadata={"help": "Deliveries before a job is dead-lettered"})
+    # One failed step fails the jobs in it; failures in a row mean the engine itself is broken.
+    max_step_failures: int = field(
+        default=3,
+        metadata={
+            "help": "Engine steps failing in a row before the worker hands its jobs back and exits "
+            "(code 4); one failure fails only the jobs in that step"
+        },
+    )
     poll_interval_s: float = field(
         default=0.5, metadata={"help": "How long an idle worker blocks on the queue before it looks around"}
     )
@@ -87,5 +95,7 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_step_failures < 1:
+            raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")

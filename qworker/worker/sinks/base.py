@@ -18,11 +18,24 @@ from qworker.worker.jobs import JobResult
 
 @dataclass
 class Delta:
-    """New output of one job since its last delta."""
+    """New output of one job since its last delta, or the marker that opens a new attempt."""
 
     job_id: str
     text: str
     token_ids: list[int] = field(default_factory=list)
+    # Set on the marker a worker writes before a job's second or later attempt streams (the
+    # attempt number: the message's delivery count). A marker has no text and no tokens; a
+    # reader drops what earlier attempts streamed, because the new attempt streams from the start.
+    attempt: int | None = None
+
+
+def latest_attempt(deltas: list[Delta]) -> list[Delta]:
+    """`deltas` from their last attempt marker on (all of them when there is none): what a
+    reader that has not yet yielded any of them should see."""
+    for i in range(len(deltas) - 1, -1, -1):
+        if deltas[i].attempt is not None:
+            return deltas[i:]
+    return deltas
 
 
 def wait_for_result(sink: ResultSink, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
@@ -71,6 +84,16 @@ class ResultSink(abc.ABC):
     def end_deltas(self, job_id: str, status: str) -> None:  # noqa: B027 - optional hook
         """End the job's live stream (its result is stored, here or in another store): a reader
         of `read_deltas` stops. A store that streams deltas must implement it."""
+
+    def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:  # noqa: B027 - optional hook
+        """Keep, per job id, what went wrong in its latest attempt (or, written as an attempt
+        begins, what would explain it never ending: the worker died). The attempt after it reads
+        this back when it dead-letters the job, so that the reason names the real error. Kept for
+        a day; a store without a place for it forgets."""
+
+    def last_error(self, job_id: str) -> str | None:
+        """What write_last_errors kept for the job, or None."""
+        return None
 
     def write_worker_stats(self, worker_name: str, stats: Any) -> None:  # noqa: B027 - optional hook
         """Publish a worker's stats (a dataclass) for operators; a sink may ignore them."""

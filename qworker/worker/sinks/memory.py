@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from qworker.worker.connections import InvalidURLError, redact_url, reject_unknown_params
 from qworker.worker.jobs import JobResult
-from qworker.worker.sinks.base import Delta, ResultSink
+from qworker.worker.sinks.base import Delta, ResultSink, latest_attempt
 from qworker.worker.sources.memory import URL_PARAMS, Journal
 
 
@@ -32,6 +32,7 @@ class MemoryResultSink(ResultSink):
         self.ended: dict[str, str] = {}
         self.cancel_requested: set[str] = set()
         self.worker_stats: dict[str, Any] = {}
+        self.last_errors: dict[str, str] = {}
         self._changed = threading.Condition()
 
     def write_deltas(self, deltas: list[Delta]) -> None:
@@ -81,7 +82,8 @@ class MemoryResultSink(ResultSink):
                     self._changed.wait(wait_s)
                     continue
             # Yield outside the lock: the reader may be slow, the writer must not wait on it.
-            yield from new
+            # What is there at the first read starts at its latest attempt, as in the Redis store.
+            yield from (latest_attempt(new) if num_read == 0 else new)
             num_read += len(new)
             last_progress = time.monotonic()
             if not new and is_ended:
@@ -94,6 +96,14 @@ class MemoryResultSink(ResultSink):
     def cancelled_ids(self, job_ids: list[str]) -> set[str]:
         with self._changed:
             return self.cancel_requested.intersection(job_ids)
+
+    def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:
+        with self._changed:
+            self.last_errors.update(job_id_to_error)
+
+    def last_error(self, job_id: str) -> str | None:
+        with self._changed:
+            return self.last_errors.get(job_id)
 
     def write_worker_stats(self, worker_name: str, stats: Any) -> None:
         with self._changed:

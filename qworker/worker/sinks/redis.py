@@ -1,7 +1,11 @@
 """Result sink on Redis.
 
 - Deltas: XADD to `{prefix}:deltas:{id}` with an approximate MAXLEN and a TTL, one pipeline per
-  engine step. A final entry with a `done` field tells live readers the result is stored.
+  engine step. A final entry with a `done` field tells live readers the result is stored. An
+  entry with an `attempt` field opens a new attempt (after a redelivery): what came before it is
+  superseded, and readers drop it.
+- Last errors: `SET {prefix}:lasterror:{id} <text> EX 1 day`, read back when a later attempt
+  dead-letters the job.
 - Result: `SET {prefix}:result:{id} <json> NX EX ttl`. NX makes the first writer win, so a job
   that two workers ran (a lease lost during a stall) still has exactly one result.
 - Cancel flags: `{prefix}:cancel:{id}`, with a TTL.
@@ -18,7 +22,7 @@ from typing import Any
 from qworker.worker import constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_redis_url, redis_client, url_number
 from qworker.worker.jobs import JobResult
-from qworker.worker.sinks.base import Delta, ResultSink
+from qworker.worker.sinks.base import Delta, ResultSink, latest_attempt
 
 # A live reader wakes at least this often to check for a result written without a done marker
 # reaching it (its delta stream expired or was trimmed).
@@ -50,10 +54,14 @@ class RedisResultSink(ResultSink):
         pipe = self.redis.pipeline(transaction=False)
         for delta in deltas:
             key = constants.delta_stream_key(self.prefix, delta.job_id)
-            fields = {
-                constants.DELTA_FIELD_TEXT: delta.text,
-                constants.DELTA_FIELD_TOKEN_IDS: json.dumps(delta.token_ids),
-            }
+            fields: dict[str, Any]
+            if delta.attempt is not None:
+                fields = {constants.DELTA_FIELD_ATTEMPT: delta.attempt}
+            else:
+                fields = {
+                    constants.DELTA_FIELD_TEXT: delta.text,
+                    constants.DELTA_FIELD_TOKEN_IDS: json.dumps(delta.token_ids),
+                }
             pipe.xadd(key, fields, maxlen=self.delta_maxlen, approximate=True)
             if delta.job_id not in self._has_expiry:
                 # Once per job: EXPIRE on every token would double the commands per step.
@@ -88,10 +96,21 @@ class RedisResultSink(ResultSink):
         return JobResult.model_validate_json(raw) if raw is not None else None
 
     def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
+        """The job's deltas and attempt markers. What is already in the stream is read at once,
+        from its latest attempt marker on: text that a later attempt superseded is never yielded
+        (the stream holds at most about `delta_maxlen` entries)."""
         key = constants.delta_stream_key(self.prefix, job_id)
-        last_id = "0-0"
+        last_id: Any = "0-0"
         last_progress = time.monotonic()
-        done_field = constants.DELTA_FIELD_DONE.encode()
+        backlog = self.redis.xrange(key, "-", "+")
+        if backlog:
+            last_id = backlog[-1][0]
+            parsed = [_parse_delta(job_id, fields) for _, fields in backlog]
+            ended = next((i for i, delta in enumerate(parsed) if delta is None), None)
+            yield from latest_attempt([d for d in parsed[:ended] if d is not None])
+            if ended is not None:
+                return
+            last_progress = time.monotonic()
         while True:
             wait_s = _READ_POLL_S
             if timeout_s is not None:
@@ -100,13 +119,10 @@ class RedisResultSink(ResultSink):
             for _key, entries in reply or []:
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    if done_field in fields:
+                    delta = _parse_delta(job_id, fields)
+                    if delta is None:
                         return
-                    yield Delta(
-                        job_id,
-                        fields[constants.DELTA_FIELD_TEXT.encode()].decode(),
-                        json.loads(fields[constants.DELTA_FIELD_TOKEN_IDS.encode()]),
-                    )
+                    yield delta
                 last_progress = time.monotonic()
             if not reply:
                 if self.has_result(job_id):
@@ -123,6 +139,21 @@ class RedisResultSink(ResultSink):
         flags = self.redis.mget([constants.cancel_key(self.prefix, job_id) for job_id in job_ids])
         return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag is not None}
 
+    def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:
+        if not job_id_to_error:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, error in job_id_to_error.items():
+            text = error.encode("utf-8", "backslashreplace")
+            pipe.set(
+                constants.last_error_key(self.prefix, job_id), text, ex=constants.DEFAULT_LAST_ERROR_TTL_S
+            )
+        pipe.execute()
+
+    def last_error(self, job_id: str) -> str | None:
+        raw = self.redis.get(constants.last_error_key(self.prefix, job_id))
+        return raw.decode("utf-8", "replace") if raw is not None else None
+
     def write_worker_stats(self, worker_name: str, stats: Any) -> None:
         key = f"{self.prefix}:worker:{worker_name}"
         payload = json.dumps(dataclasses.asdict(stats))
@@ -131,6 +162,20 @@ class RedisResultSink(ResultSink):
 
     def close(self) -> None:
         self.redis.close()
+
+
+def _parse_delta(job_id: str, fields: dict[bytes, bytes]) -> Delta | None:
+    """One delta-stream entry as a Delta (or an attempt marker); None for the done marker."""
+    if constants.DELTA_FIELD_DONE.encode() in fields:
+        return None
+    attempt = fields.get(constants.DELTA_FIELD_ATTEMPT.encode())
+    if attempt is not None:
+        return Delta(job_id, "", [], attempt=int(attempt))
+    return Delta(
+        job_id,
+        fields[constants.DELTA_FIELD_TEXT.encode()].decode(),
+        json.loads(fields[constants.DELTA_FIELD_TOKEN_IDS.encode()]),
+    )
 
 
 def open_sink(url: str) -> RedisResultSink:

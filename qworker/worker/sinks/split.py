@@ -50,6 +50,12 @@ class SplitSink(ResultSink):
     def cancelled_ids(self, job_ids: list[str]) -> set[str]:
         return self.stream.cancelled_ids(job_ids)
 
+    def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:
+        self.stream.write_last_errors(job_id_to_error)
+
+    def last_error(self, job_id: str) -> str | None:
+        return self.stream.last_error(job_id)
+
     def write_worker_stats(self, worker_name: str, stats: Any) -> None:
         self.stream.write_worker_stats(worker_name, stats)
 

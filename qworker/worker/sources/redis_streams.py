@@ -14,6 +14,7 @@ from typing import Any
 
 from qworker.worker import constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_redis_url, redis_client, url_number
+from qworker.worker.jobs import job_id_problem
 from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
 from qworker.worker.text import as_text
 
@@ -118,17 +119,32 @@ class RedisStreamSource(JobSource):
         ]
 
     def _make_lease(self, entry_id: Any, fields: dict[Any, Any], delivery_count: int) -> Lease:
-        message_id = as_text(entry_id)
-        body = fields.get(constants.FIELD_BODY.encode(), fields.get(constants.FIELD_BODY, b""))
-        job_id = fields.get(constants.FIELD_JOB_ID.encode(), fields.get(constants.FIELD_JOB_ID))
+        """The lease of one entry, whatever its fields hold: this never raises. An entry whose id
+        field cannot name a result is leased with a `rejection` (the worker dead-letters it);
+        any other oddity (no body, a body that is not a job) is the worker's to judge."""
+        message_id = as_text(entry_id)  # the server made it: ASCII "<ms>-<seq>"
+        body = _field(fields, constants.FIELD_BODY)
+        raw_job_id = _field(fields, constants.FIELD_JOB_ID)
+        job_id: str | None = None
+        rejection: str | None = None
+        if raw_job_id:
+            try:
+                job_id = raw_job_id.decode() if isinstance(raw_job_id, bytes) else str(raw_job_id)
+            except UnicodeDecodeError:
+                rejection = f"the entry's {constants.FIELD_JOB_ID!r} field is not UTF-8 text"
+            if job_id is not None:
+                rejection = job_id_problem(job_id)
+                if rejection is not None:
+                    job_id = None
         # Entry ids start with the server's clock in milliseconds when the entry was added.
         enqueued_at = int(message_id.split("-")[0]) / 1000.0
         return Lease(
             message_id=message_id,
-            body=body if isinstance(body, bytes) else str(body).encode(),
-            job_id=as_text(job_id) if job_id else None,
+            body=body if isinstance(body, bytes) else str(body or "").encode("utf-8", "backslashreplace"),
+            job_id=job_id,
             delivery_count=delivery_count,
             enqueued_at=enqueued_at,
+            rejection=rejection,
         )
 
     # -- holding and letting go --------------------------------------------------------------
@@ -162,7 +178,8 @@ class RedisStreamSource(JobSource):
         entry = {
             "source_stream": self.stream,
             "message_id": lease.message_id,
-            "reason": reason,
+            # The reason may quote the input, which may not be valid Unicode.
+            "reason": reason.encode("utf-8", "backslashreplace"),
             "delivery_count": lease.delivery_count,
             constants.FIELD_BODY: lease.body,
         }
@@ -218,6 +235,12 @@ class RedisStreamProducer(JobProducer):
 
     def close(self) -> None:
         self.redis.close()
+
+
+def _field(fields: dict[Any, Any], name: str) -> Any:
+    """A field of an entry by name: redis-py gives bytes names (str with decode_responses)."""
+    value = fields.get(name.encode())
+    return value if value is not None else fields.get(name)
 
 
 # A Redis URL may serve as queue and results at once: the sink's parameters are accepted too.

@@ -1,0 +1,120 @@
+"""Stream readers see attempts: when a job's worker is killed (SIGKILL) or releases it (SIGTERM)
+mid-generation, a peer runs it again from the start, and the text a `Client.stream` reader
+assembles, live across the restart, equals the stored result's text. Real worker processes on a
+tiny random Llama with the SmolLM2 tokenizer, on the real Redis.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import redis as redis_lib
+
+from qworker.worker import constants
+from qworker.worker.client import Client
+from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.worker.jobs import JobStatus
+from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+
+
+@pytest.fixture
+def url():
+    url = unique_url(redis_base_url(), tag="redelivery")
+    yield url
+    cleanup(raw_redis(url), url)
+
+
+def raw_redis(url: str) -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Reader(threading.Thread):
+    """Client.stream(job_id) in a thread, from before the job starts until its result is stored."""
+
+    def __init__(self, url: str, job_id: str) -> None:
+        super().__init__(daemon=True)
+        self.client = Client(queue=url)
+        self.job_id = job_id
+        self.chunks: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for text in self.client.stream(self.job_id, timeout=120):
+                self.chunks.append(text)
+        except BaseException as exc:
+            self.error = exc
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stop_signal", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_text_streamed_across_a_rerun_equals_the_result(url, tiny_model_dir, tmp_path, stop_signal):
+    params = parse_url(url, SOURCE_PARAMS | SINK_PARAMS).params
+    r = raw_redis(url)
+    client = Client(queue=url)
+    common = ("--lease-timeout-s", "2", "--drain-grace-s", "0")
+    victim = spawn_worker(url, tiny_model_dir, "victim", *common, log_path=tmp_path / "victim.log")
+    peer = None
+    try:
+        # The victim samples for another job first: its random state then differs from the fresh
+        # peer's, as between any two workers, and only the job's own seed makes the rerun agree.
+        other = client.submit({"prompt_token_ids": [5, 6], "params": {"max_tokens": 5, "ignore_eos": True}})
+        assert client.result(other, timeout=60).status is JobStatus.COMPLETED
+        # Sampled (temperature 1) without a seed, and long enough to be stopped mid-generation.
+        job_id = client.submit(
+            {"prompt_token_ids": [1, 520, 3000, 17], "params": {"max_tokens": 900, "ignore_eos": True}}
+        )
+        deltas_key = constants.delta_stream_key(params["prefix"], job_id)
+        reader = Reader(url, job_id)
+        reader.start()
+        wait_for(lambda: r.xlen(deltas_key) >= 30, 60, "the victim to stream some tokens")
+        victim.send_signal(stop_signal)
+        returncode = victim.wait(timeout=30)
+        assert returncode == (0 if stop_signal == signal.SIGTERM else -signal.SIGKILL)
+        if stop_signal == signal.SIGTERM:
+            assert "released 1 jobs" in (tmp_path / "victim.log").read_text()
+        assert not client.sink.has_result(job_id), "the job must be stopped mid-generation"
+        wait_for(lambda: reader.text, 10, "the reader to see the first attempt's text")
+        seen_before_rerun = reader.text
+        peer = spawn_worker(url, tiny_model_dir, "peer", *common, log_path=tmp_path / "peer.log")
+        result = client.result(job_id, timeout=180)
+        reader.join(timeout=60)
+    finally:
+        for process in (victim, peer):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        if peer is not None:
+            assert peer.wait(timeout=60) == 0
+    assert (result.status, result.attempts, result.worker) == (JobStatus.COMPLETED, 2, "peer")
+    assert len(result.token_ids) == 900
+    assert reader.error is None, repr(reader.error)
+    assert reader.text == result.text
+    assert reader.text.startswith(seen_before_rerun) and len(seen_before_rerun) < len(result.text)
+    # On the wire: the first attempt's deltas, the peer's attempt marker, the whole rerun, done.
+    entries = [fields for _, fields in r.xrange(deltas_key)]
+    markers = [i for i, fields in enumerate(entries) if b"attempt" in fields]
+    assert [entries[i][b"attempt"] for i in markers] == [b"2"]
+    rerun = entries[markers[0] + 1 :]
+    assert b"".join(fields.get(b"text", b"") for fields in rerun).decode() == result.text
+    assert b"done" in rerun[-1]
+    # A reader that starts now reads only the latest attempt.
+    deltas = list(client.sink.read_deltas(job_id, timeout_s=10))
+    assert deltas[0].attempt == 2 and all(d.attempt is None for d in deltas[1:])
+    assert "".join(client.stream(job_id, timeout=10)) == result.text
