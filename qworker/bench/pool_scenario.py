@@ -276,14 +276,18 @@ class _Submitter(threading.Thread):
         self.started_s: dict[str, float] = {}
         self.error: BaseException | None = None
         self.lock = threading.Lock()
+        # Set by the run when it ends early (a timeout, an error): submit nothing more.
+        self.stop = threading.Event()
 
-    def _start_of(self, burst: Burst, ids_by_burst: dict[str, list[str]]) -> float:
+    def _start_of(self, burst: Burst, ids_by_burst: dict[str, list[str]]) -> float | None:
+        """When the burst starts (seconds since t0), or None when the run stopped first."""
         if burst.after is None:
             return burst.at_s
         ids = ids_by_burst[burst.after]
         needed = burst.after_done_fraction * len(ids)
         while self.count_done(ids) < needed:
-            time.sleep(0.1)
+            if self.stop.wait(0.1):
+                return None
         return time.monotonic() - self.t0 + burst.at_s
 
     def run(self) -> None:
@@ -294,14 +298,16 @@ class _Submitter(threading.Thread):
             with Client(queue=self.queue_url) as client:
                 for burst in self.bursts:
                     start_s = self._start_of(burst, ids_by_burst)
+                    if start_s is None:
+                        return
                     self.started_s[burst.name] = start_s
                     jobs = self.planned[burst.name]
                     ids_by_burst[burst.name] = []
                     i = 0
                     while i < len(jobs):
                         wait_s = start_s + jobs[i].offset_s - (time.monotonic() - self.t0)
-                        if wait_s > 0:
-                            time.sleep(wait_s)
+                        if wait_s > 0 and self.stop.wait(wait_s):
+                            return
                         now_s = time.monotonic() - self.t0
                         due = []
                         while i < len(jobs) and start_s + jobs[i].offset_s <= now_s:
@@ -471,6 +477,7 @@ def run_scenario(queue_url: str, model: str, config: ScenarioConfig, log_dir: Pa
                     is_timed_out = True
                     break
         finally:
+            submitter.stop.set()
             pool.close()
             submitter.join(timeout=10)
     submitted = submitter.snapshot()
