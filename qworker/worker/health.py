@@ -14,6 +14,7 @@ step, and the engine keeps the main thread. The loop only writes a few fields of
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -112,6 +113,19 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s %s", self.address_string(), format % args)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A probe that gave up before the reply (a busy worker, a short kubelet timeout) is not a
+        # server error: without this, every such disconnect prints a BrokenPipe traceback.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):
+            logger.debug("health client %s disconnected early: %s", client_address, exc)
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class HealthServer:
     """Serves `registry` and `state` on host:port (port 0: any free port; see `.port`)."""
 
@@ -119,8 +133,7 @@ class HealthServer:
         self, registry: CollectorRegistry, state: HealthState, *, host: str = "0.0.0.0", port: int = 0
     ) -> None:
         handler = type("HealthHandler", (_Handler,), {"registry": registry, "state": state})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
+        self._server = _QuietServer((host, port), handler)
         self.host = host
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(
