@@ -6,6 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+# dtype names a config may use, each to its torch.dtype attribute name ("auto": see the runner).
+DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+# The sampler's generator takes a signed 64-bit seed.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**63 - 1
+
 
 class SchedulingPolicy(str, Enum):
     FCFS = "fcfs"
@@ -84,5 +97,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPE_ALIASES)}, got {self.dtype!r}")
+        if not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")

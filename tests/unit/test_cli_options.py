@@ -30,7 +30,7 @@ CONFIG_CLASSES = (EngineConfig, WorkerSettings)
 # Options of `qworker worker` that are not config fields (kept by name for docs, infra and tests).
 RUN_OPTIONS = ("--queue", "--results", "--stream-results", "--lease-timeout-s", "--burst", "--log-level")
 # Fields whose other value must be one the dataclass accepts.
-OTHER_VALUES = {"attention_backend": "torch"}
+OTHER_VALUES = {"attention_backend": "torch", "dtype": "float16"}
 
 
 def flag(name: str) -> str:
