@@ -2,15 +2,10 @@
 
 The C source (cpu_paged_attention.c, beside this file) reads K and V in place through the block
 table: it never gathers the batch's K/V (gathering K alone measured 4.4 ms per layer at 128
-sequences x 400 tokens, more than the layer's matmuls). It is compiled with the system C compiler
-(``$CC`` or ``gcc``, ``-O3 -march=native -fopenmp``, about 1 s on a quiet machine) into
-``$QWORKER_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/qworker``) and loaded with ctypes. The
-hash covers the source, the flags, the compiler version and the CPU, so a cache shared between
-machines never hands one a library built for another. Where the compiler has no OpenMP the kernel
-is built without it and runs on one thread.
+sequences x 400 tokens, more than the layer's matmuls). It is built at first use and cached
+(cpu_build.py: ``-O3 -march=native -fopenmp``, about 1 s on a quiet machine).
 
-Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads. Its library resolves
-``libgomp.so.1`` to the copy torch already loaded, so both share one thread pool.
+Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads, from the pool torch uses.
 
 It imports no triton: the engine's torch backend uses it on machines without triton.
 """
@@ -19,18 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from qworker_kernels.constants import FLOAT_DTYPES
+from qworker_kernels.cpu_build import load_c_library
 
 __all__ = [
     "is_available",
@@ -39,12 +28,7 @@ __all__ = [
     "paged_decode_attention_torch",
 ]
 
-logger = logging.getLogger(__name__)
-
 _SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-_LIB_NAME = "cpu_paged_attention.so"
-_CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
-_OPENMP_FLAG = "-fopenmp"
 _DTYPES = (torch.float32, torch.bfloat16)
 # The C kernel's limits (MAX_HEAD_DIM there; rows are read 16 elements at a time). Other head
 # dims go to the torch path.
@@ -61,85 +45,11 @@ _ERRORS: dict[int, tuple[type[Exception], str]] = {
 }
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("QWORKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "qworker")
-    return Path(root) / "kernels"
-
-
-def _cpu_fingerprint() -> str:
-    # -march=native builds for this CPU: the model name and feature flags name it.
-    lines = [platform.machine(), platform.processor()]
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags", "Features", "CPU part") and line not in lines:
-                    lines.append(line)
-    except OSError:
-        pass
-    return "\n".join(lines)
-
-
-def _compile(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
-    """Builds into a temporary file then renames it, so concurrent processes never load half a file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=120
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _build_and_load(compiler: str, version: str, flags: tuple[str, ...]) -> ctypes.CDLL:
-    key = hashlib.sha256()
-    for part in (
-        _SOURCE.read_bytes(),
-        " ".join(flags).encode(),
-        version.encode(),
-        _cpu_fingerprint().encode(),
-    ):
-        key.update(part)
-        key.update(b"\0")
-    target = _cache_root() / key.hexdigest()[:24] / _LIB_NAME
-    if target.exists():
-        try:
-            return ctypes.CDLL(str(target))
-        except OSError as e:  # a damaged cache entry: build it again
-            logger.warning("rebuilding %s: %s", target, e)
-    _compile(compiler, flags, _SOURCE, target)
-    return ctypes.CDLL(str(target))
-
-
 @functools.lru_cache(maxsize=1)
 def _load_library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (and a warning) when it cannot be built."""
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        logger.warning("no C compiler found; CPU paged attention uses the torch fallback")
-        return None
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("C compiler %s unusable, CPU paged attention uses the torch fallback: %s", compiler, e)
-        return None
-    lib = None
-    for flags in ((*_CFLAGS, _OPENMP_FLAG), _CFLAGS):
-        try:
-            lib = _build_and_load(compiler, version, flags)
-            break
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            logger.warning("CPU paged attention kernel build failed with %s: %s", " ".join(flags), e)
+    lib = load_c_library(_SOURCE)
     if lib is None:
-        logger.warning("CPU paged attention uses the torch fallback")
         return None
     fn = lib.qw_paged_decode_attention
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]

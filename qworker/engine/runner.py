@@ -92,7 +92,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.backend = select_attention_backend(config.attention_backend, self.device)
-        ops = select_model_ops(self.backend.name)
+        ops = select_model_ops(self.backend.name, self.device)
         model = LlamaForCausalLM(model_config, max_positions=max_model_len, ops=ops)
         if state_dict is not None:
             model.load_hf_state_dict(state_dict)

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qworker.model.attention import AttentionBackend, AttentionMetadata
 from qworker.model.config import ModelConfig
+from qworker.model.linear import Linear, PackedWeight, is_packing_available
 from qworker.model.ops import TORCH_OPS, ModelOps
 
 
@@ -51,8 +51,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         # q, k and v projections fused into one matmul: [hidden] -> [q_size + 2 * kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -80,8 +80,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.ops = ops
         # gate and up fused: [hidden] -> [2 * intermediate]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -115,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.lm_head_weight = self.lm_head.weight
+        self.lm_head_packed = PackedWeight(is_packing_available())
 
     def forward(
         self,
@@ -142,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] in float32 for the sampler.
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head_packed.linear(hidden, self.lm_head_weight).float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face Llama-style state dict, fusing q/k/v and gate/up."""

@@ -1,0 +1,191 @@
+"""Where one engine step's time goes: matmuls, attention, norms, rotary, activation, sampling, the
+runner's input tensors, the scheduler, and the rest (Python, detokenizing, bookkeeping).
+
+It loads the engine, adds a workload's requests all at once (default: `offline-mixed`) and times
+  - prefill: the first step (a full token budget of prompt tokens), and
+  - decode: the first few steps after every prompt is prefilled, when every request decodes.
+Each category is timed by wrapping the functions that do its work with a wall clock (the model
+calls them through `self.ops`, `nn.Linear` and the attention backend, so the wrappers see every
+call; they add about a microsecond each). Times are medians over `--repeats` steps of each kind;
+decode steps differ slightly (one more token of context each).
+
+    .venv/bin/python scripts/profile_step.py --dtype bfloat16
+    .venv/bin/python scripts/profile_step.py --torch-profile 20   # also torch.profiler's top ops
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from qworker.bench.qworker_engine import sampling_params_for
+from qworker.bench.workload import load_workload, requests_for_model
+from qworker.config import EngineConfig
+from qworker.engine.llm_engine import LLMEngine
+from qworker.model import attention as attention_module
+from qworker.model.ops import ModelOps
+
+CATEGORIES = (
+    "matmul",
+    "lm_head",
+    "attention: kv write",
+    "attention: decode kernel",
+    "attention: prefill sdpa",
+    "norm",
+    "rotary",
+    "activation",
+    "sampling",
+    "prepare inputs",
+    "schedule",
+)
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.depth = 0
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            # Only the outermost timed call counts: the lm_head's F.linear is not also a matmul.
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.depth -= 1
+
+        return timed
+
+
+def instrument(engine: LLMEngine, timers: Timers) -> None:
+    runner = engine.runner
+    model = runner.model
+    ops = model.ops
+    wrapped = ModelOps(
+        name=ops.name,
+        rms_norm=timers.wrap("norm", ops.rms_norm),
+        fused_add_rms_norm=timers.wrap("norm", ops.fused_add_rms_norm),
+        apply_rotary=timers.wrap("rotary", ops.apply_rotary),
+        silu_and_mul=timers.wrap("activation", ops.silu_and_mul),
+    )
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = wrapped
+        if isinstance(module, nn.Linear):
+            module.forward = timers.wrap("matmul", module.forward)
+    model.compute_logits = timers.wrap("lm_head", model.compute_logits)
+    backend = runner.backend
+    if getattr(backend, "_decode_kernel", None) is not None:
+        backend._decode_kernel = timers.wrap("attention: decode kernel", backend._decode_kernel)
+    attention_module.write_kv_cache_torch = timers.wrap(
+        "attention: kv write", attention_module.write_kv_cache_torch
+    )
+    attention_module._prefill_attention = timers.wrap(
+        "attention: prefill sdpa", attention_module._prefill_attention
+    )
+    runner.sampler.sample = timers.wrap("sampling", runner.sampler.sample)
+    runner.prepare_inputs = timers.wrap("prepare inputs", runner.prepare_inputs)
+    engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
+
+
+def timed_step(engine: LLMEngine, timers: Timers) -> tuple[dict[str, float], int, int]:
+    timers.seconds.clear()
+    num_running = len(engine.scheduler.running)
+    start = time.perf_counter()
+    outputs = engine.step()
+    total = time.perf_counter() - start
+    parts = dict(timers.seconds)
+    parts["total"] = total
+    parts["other (python, detokenize, bookkeeping)"] = total - sum(timers.seconds.values())
+    return parts, num_running, len(outputs)
+
+
+def summarize(steps: list[dict[str, float]]) -> dict[str, float]:
+    keys = ["total", *CATEGORIES, "other (python, detokenize, bookkeeping)"]
+    return {k: statistics.median(s.get(k, 0.0) for s in steps) * 1000 for k in keys}
+
+
+def print_table(title: str, ms: dict[str, float]) -> None:
+    total = ms["total"]
+    print(f"\n{title}: {total:.1f} ms")
+    for key, value in ms.items():
+        if key != "total" and value > 0:
+            print(f"  {key:<42} {value:8.1f} ms  {100 * value / total:5.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="offline-mixed")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--torch-profile", type=int, default=0, help="also print torch.profiler's top N ops")
+    parser.add_argument("--json", default=None, help="write the medians here")
+    args = parser.parse_args()
+
+    spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
+    requests = requests_for_model(spec, "smollm2")
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, device="cpu"))
+    # Warm-up: the kernels build and the allocator settles on a short request.
+    engine.add_request("warmup", {"prompt_token_ids": [33] * 64}, sampling_params_for(requests[0]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    timers = Timers()
+    instrument(engine, timers)
+    for request in requests:
+        engine.add_request(
+            request.request_id, {"prompt_token_ids": request.prompt_token_ids}, sampling_params_for(request)
+        )
+    prefill_steps, decode_steps = [], []
+    profiled: dict[str, Any] = {}
+    num_requests = len(requests)
+    while engine.has_unfinished_requests() and len(decode_steps) < args.repeats:
+        plan_is_decode = engine.scheduler.num_waiting == 0 and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
+        )
+        kind = "decode" if plan_is_decode else "prefill"
+        if args.torch_profile and kind not in profiled and (kind == "prefill" or decode_steps):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                engine.step()
+            profiled[kind] = prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=args.torch_profile
+            )
+            continue
+        parts, num_running, _ = timed_step(engine, timers)
+        if kind == "prefill" and len(prefill_steps) < args.repeats and not prefill_steps:
+            prefill_steps.append(parts)
+        elif kind == "decode" and num_running >= num_requests * 0.9:
+            decode_steps.append(parts)
+    result = {
+        "dtype": str(engine.dtype),
+        "torch_threads": torch.get_num_threads(),
+        "prefill_first_step_ms": summarize(prefill_steps),
+        "decode_step_ms": summarize(decode_steps),
+        "decode_num_seqs": num_requests,
+    }
+    print(f"dtype {result['dtype']}, {result['torch_threads']} threads, {num_requests} requests")
+    print_table("prefill step (the first: a full budget of prompt tokens)", result["prefill_first_step_ms"])
+    print_table(
+        f"decode step (every request decoding, median of {len(decode_steps)})", result["decode_step_ms"]
+    )
+    for kind, table in profiled.items():
+        print(f"\ntorch.profiler, one {kind} step:\n{table}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

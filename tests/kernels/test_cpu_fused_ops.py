@@ -1,0 +1,122 @@
+"""The CPU fused elementwise kernels against the model's torch ops (transformers' roundings): odd row
+counts and widths, strided rows, both dtypes, one and two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qworker_kernels import cpu_fused_ops
+from qworker_kernels.rmsnorm_reference import fused_add_rms_norm_reference, rms_norm_reference
+
+from qworker.model.ops import apply_rotary_torch, silu_and_mul_torch
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not cpu_fused_ops.is_available(), reason="no C compiler to build the CPU kernels"),
+]
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def assert_close_ulps(got: torch.Tensor, want: torch.Tensor, max_ulps: int, max_share: float) -> None:
+    """bf16: at most `max_share` of the elements differ, each by at most `max_ulps` units in the last
+    place. fp32: within a few ulps (relative 1e-6), wherever the last bits go."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        return
+    diff = (got.contiguous().view(torch.int16).long() - want.contiguous().view(torch.int16).long()).abs()
+    assert int(diff.max()) <= max_ulps, f"max {int(diff.max())} ulps"
+    assert (diff > 0).float().mean().item() <= max_share, f"{(diff > 0).float().mean().item():.4f} differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 48), (300, 576), (130, 100)])
+def test_rms_norm_and_fused_add(dtype, rows, hidden, threads):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    # The only freedom is the order of the sum of squares: the last bit of the variance, which moves
+    # fp32 outputs by a few ulps and rarely changes a bf16 rounding.
+    ulps, share = (1, 0.01) if dtype == torch.bfloat16 else (4, 1.0)
+    assert_close_ulps(
+        cpu_fused_ops.rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), ulps, share
+    )
+    want_normed, want_sum = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
+    normed, summed = cpu_fused_ops.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    assert torch.equal(summed, want_sum)
+    assert_close_ulps(normed, want_normed, ulps, share)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_strided_rows(dtype):
+    # x: every other row of a wider tensor, as a view.
+    base = torch.randn(9, 2, 64).to(dtype)
+    x = base[:, 0]
+    weight = torch.rand(64).to(dtype)
+    want = rms_norm_reference(x, weight, 1e-6)
+    assert_close_ulps(cpu_fused_ops.rms_norm(x, weight, 1e-6), want, 1 if dtype == torch.bfloat16 else 4, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (37, 4, 4, 16), (200, 9, 3, 64)]
+)
+def test_rotary_matches_torch_exactly_from_qkv_views(dtype, tokens, heads, kv_heads, head_dim, threads):
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    max_positions = 4096
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, max_positions, (tokens,), generator=gen)
+    want_q, want_k = apply_rotary_torch(q, k, positions, cos, sin)
+    got_q, got_k = cpu_fused_ops.rotary(q, k, positions, cos, sin)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)
+
+
+def test_rotary_rejects_a_position_past_the_table():
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    table = torch.randn(16, 4)
+    with pytest.raises(ValueError, match="position"):
+        cpu_fused_ops.rotary(q, k, torch.tensor([0, 16]), table, table)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 1536), (33, 40), (256, 1536)])
+def test_silu_and_mul(dtype, tokens, inter, threads):
+    gen = torch.Generator().manual_seed(inter)
+    x = (torch.randn(tokens, 2 * inter, generator=gen) * 4).to(dtype)
+    # Extremes too: exp overflows and underflows at either end.
+    x[0, :4] = torch.tensor([-120.0, -88.5, 90.0, 0.0]).to(dtype)
+    want = silu_and_mul_torch(x)
+    got = cpu_fused_ops.silu_and_mul(x)
+    # exp differs from torch's by an ulp or two: rarely visible after rounding to bf16.
+    share = 0.01 if dtype == torch.bfloat16 else 0.5
+    assert_close_ulps(got, want, 4 if dtype == torch.float32 else 1, share)
+
+
+def test_launchers_reject_bad_inputs():
+    with pytest.raises(ValueError):
+        cpu_fused_ops.rms_norm(
+            torch.randn(4, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), 1e-6
+        )
+    with pytest.raises(ValueError):
+        cpu_fused_ops.rms_norm(torch.randn(4, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError):
+        cpu_fused_ops.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError):
+        cpu_fused_ops.fused_add_rms_norm(torch.randn(4, 8), torch.randn(8, 4).t(), torch.ones(8), 1e-6)
