@@ -67,7 +67,26 @@ RESULT_BACKENDS: dict[str, str] = {
 # once, so both sets are accepted on either side.
 SOURCE_PARAMS = {"stream", "group", "dead_letter", "lease_timeout_s"}
 SINK_PARAMS = {"prefix", "result_ttl_s", "delta_ttl_s", "delta_maxlen"}
-AWS_PARAMS = {"region", "endpoint_url", "dead_letter", "lease_timeout_s", "payload_s3", "conditional_put"}
+AWS_PARAMS = {
+    "region",
+    "endpoint_url",
+    "dead_letter",
+    "lease_timeout_s",
+    "payload_s3",
+    "conditional_put",
+    "retry_mode",
+    "max_attempts",
+}
+# botocore's retry modes: "standard" retries throttling (ThrottlingException, SlowDown, ...),
+# 5xx and connection errors with exponential backoff and jitter (at most 20 s between attempts)
+# under a client-side retry quota; "adaptive" adds a client-side rate limiter that slows down
+# while the service throttles. max_attempts counts the first call: 8 calls span at most about
+# a minute of backoff before the error reaches the worker.
+AWS_RETRY_MODES = ("standard", "adaptive")
+AWS_DEFAULT_RETRY_MODE = "standard"
+AWS_DEFAULT_MAX_ATTEMPTS = 8
+# Above this, a call could retry for many minutes while the worker holds leases it cannot extend.
+AWS_MAX_MAX_ATTEMPTS = 20
 CELERY_PARAMS = {"queue", "dead_letter", "lease_timeout_s", "result_ttl_s", "prefix"}
 
 # redis-py connection arguments that make sense as URL text. from_url passes any query value it
@@ -327,7 +346,7 @@ def aws_parts(url: str) -> tuple[str, str, dict[str, str]]:
 
 def aws_client(service: str, params: dict[str, str]) -> Any:  # a boto3 client
     """A boto3 client. Credentials come from boto3's standard chain (environment, profile, instance
-    role); only the region and endpoint come from the URL."""
+    role); the region, endpoint and retry policy (retry_mode, max_attempts) come from the URL."""
     import boto3
     from botocore.config import Config
 
@@ -335,8 +354,21 @@ def aws_client(service: str, params: dict[str, str]) -> Any:  # a boto3 client
         service,
         region_name=params.get("region") or None,
         endpoint_url=params.get("endpoint_url") or None,
-        config=Config(retries={"max_attempts": 5, "mode": "standard"}),
+        config=Config(retries=aws_retries(params)),
     )
+
+
+def aws_retries(params: dict[str, str]) -> dict[str, Any]:
+    """botocore's `retries` config from the URL's retry_mode and max_attempts."""
+    mode = params.get("retry_mode") or AWS_DEFAULT_RETRY_MODE
+    if mode not in AWS_RETRY_MODES:
+        raise InvalidURLError(f"URL parameter retry_mode={mode!r}: use {' or '.join(AWS_RETRY_MODES)}")
+    attempts = url_number(params, "max_attempts", AWS_DEFAULT_MAX_ATTEMPTS)
+    if attempts != int(attempts) or not 1 <= attempts <= AWS_MAX_MAX_ATTEMPTS:
+        raise InvalidURLError(
+            f"URL parameter max_attempts={params['max_attempts']!r}: a whole number from 1 to {AWS_MAX_MAX_ATTEMPTS}"
+        )
+    return {"mode": mode, "total_max_attempts": int(attempts)}
 
 
 def s3_location_of_results(url: str) -> str | None:
