@@ -366,7 +366,8 @@ def aws_retries(params: dict[str, str]) -> dict[str, Any]:
     attempts = url_number(params, "max_attempts", AWS_DEFAULT_MAX_ATTEMPTS)
     if attempts != int(attempts) or not 1 <= attempts <= AWS_MAX_MAX_ATTEMPTS:
         raise InvalidURLError(
-            f"URL parameter max_attempts={params['max_attempts']!r}: a whole number from 1 to {AWS_MAX_MAX_ATTEMPTS}"
+            f"URL parameter max_attempts={params['max_attempts']!r}: "
+            f"a whole number from 1 to {AWS_MAX_MAX_ATTEMPTS}"
         )
     return {"mode": mode, "total_max_attempts": int(attempts)}
 

@@ -71,7 +71,13 @@ class FaultProxy:
                     proxy.forwarded += 1
                 self.send_response(reply.status)
                 for name, value in reply.getheaders():
-                    if name.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
+                    if name.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "server",
+                        "date",
+                    ):
                         self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -95,17 +101,22 @@ class FaultProxy:
             kind = self.random.choice(("throttle", "5xx"))
             self.injected[f"{'sqs' if is_sqs else 's3'}-{kind}"] += 1
         if is_sqs and kind == "throttle":
-            payload = json.dumps({"__type": "com.amazonaws.sqs#ThrottlingException", "message": "Rate exceeded"})
+            payload = json.dumps(
+                {"__type": "com.amazonaws.sqs#ThrottlingException", "message": "Rate exceeded"}
+            )
             return (
                 400,
                 payload.encode(),
-                {"Content-Type": "application/x-amz-json-1.0", "x-amzn-query-error": "ThrottlingException;Sender"},
+                {
+                    "Content-Type": "application/x-amz-json-1.0",
+                    "x-amzn-query-error": "ThrottlingException;Sender",
+                },
             )
         if is_sqs:
             payload = json.dumps({"__type": "com.amazonaws.sqs#InternalError", "message": "injected"})
             return 500, payload.encode(), {"Content-Type": "application/x-amz-json-1.0"}
         code, status = ("SlowDown", 503) if kind == "throttle" else ("InternalError", 500)
-        xml = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>injected</Message></Error>"
+        xml = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected</Message></Error>"
         return status, xml.encode(), {"Content-Type": "application/xml"}
 
     def __enter__(self) -> FaultProxy:
@@ -119,8 +130,16 @@ class FaultProxy:
 
 def test_retry_options_come_from_the_url():
     assert aws_retries({}) == {"mode": "standard", "total_max_attempts": 8}
-    assert aws_retries({"retry_mode": "adaptive", "max_attempts": "3"}) == {"mode": "adaptive", "total_max_attempts": 3}
-    for bad in ({"retry_mode": "legacy"}, {"max_attempts": "0"}, {"max_attempts": "2.5"}, {"max_attempts": "99"}):
+    assert aws_retries({"retry_mode": "adaptive", "max_attempts": "3"}) == {
+        "mode": "adaptive",
+        "total_max_attempts": 3,
+    }
+    for bad in (
+        {"retry_mode": "legacy"},
+        {"max_attempts": "0"},
+        {"max_attempts": "2.5"},
+        {"max_attempts": "99"},
+    ):
         with pytest.raises(InvalidURLError):
             aws_retries(bad)
 
@@ -130,18 +149,25 @@ def test_retry_options_come_from_the_url():
 def test_throttling_and_5xx_are_retried_and_no_job_is_lost_or_duplicated(sqs_s3, tiny_model_dir, retry_mode):
     env = sqs_s3(VisibilityTimeout="30")
     with FaultProxy(env.moto.endpoint_url, FAULT_FRACTION, SEED) as proxy:
-        query = f"region={env.moto.region}&endpoint_url={proxy.endpoint_url}&retry_mode={retry_mode}&max_attempts=10"
+        query = f"region={env.moto.region}&endpoint_url={proxy.endpoint_url}"
+        query += f"&retry_mode={retry_mode}&max_attempts=10"
         queue_url = f"sqs://{env.queue}?{query}"
         results_url = f"s3://{env.bucket}/results?{query}"
         with Client(queue=queue_url, results=results_url) as client:
             ids = [
                 client.submit(
-                    {"id": f"j{i}", "prompt_token_ids": [5 + i, 6, 7], "params": {"max_tokens": 3, "ignore_eos": True}}
+                    {
+                        "id": f"j{i}",
+                        "prompt_token_ids": [5 + i, 6, 7],
+                        "params": {"max_tokens": 3, "ignore_eos": True},
+                    }
                 )
                 for i in range(NUM_JOBS)
             ]
             engine = LLMEngine(
-                EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=256, block_size=16)
+                EngineConfig(
+                    model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=256, block_size=16
+                )
             )
             worker = Worker(
                 engine,
@@ -160,4 +186,6 @@ def test_throttling_and_5xx_are_retried_and_no_job_is_lost_or_duplicated(sqs_s3,
     assert [r.attempts for r in results] == [1] * NUM_JOBS
     assert sorted(env.result_keys()) == sorted(f"results/{job_id}.json" for job_id in ids)
     attrs = env.sqs().get_queue_attributes(QueueUrl=env.sqs_queue_url, AttributeNames=["All"])["Attributes"]
-    assert attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+    assert (
+        attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+    )
