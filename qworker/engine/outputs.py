@@ -14,12 +14,29 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the model's raw distribution (log_softmax of the logits
+    before temperature, top-k, top-p and min-p), its rank in that distribution (1 is the most
+    likely) and its text. As vLLM's Logprob with its default raw logprobs."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, the chosen token first, then the top-k alternatives by rank.
+LogprobsDict = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # One dict per generated token when SamplingParams.logprobs is set.
+    logprobs: list[LogprobsDict] | None = None
 
 
 @dataclass
@@ -33,6 +50,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_preemptions: int = 0
+    # One entry per prompt token when SamplingParams.prompt_logprobs is set; None for the first
+    # token, which nothing predicts.
+    prompt_logprobs: list[LogprobsDict | None] | None = None
 
 
 @dataclass

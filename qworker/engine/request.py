@@ -4,6 +4,7 @@ import enum
 from dataclasses import dataclass, field
 
 from qworker.engine.block_hash import BlockHash
+from qworker.engine.sampler import PositionLogprobs
 from qworker.engine.sampling_params import SamplingParams
 
 
@@ -56,6 +57,11 @@ class Request:
     # Content hashes of the full blocks of token_ids, in order; the KV cache manager appends
     # them as blocks fill (each block is hashed once, and tokens never change).
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
+    # With sampling_params.logprobs: one per output token. With prompt_logprobs: entry p is the
+    # logprob of prompt token p + 1, filled chunk by chunk; a preempted request recomputes its
+    # prompt but does not report those positions again.
+    logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

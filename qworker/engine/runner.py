@@ -5,7 +5,7 @@ by replaying a decode CUDA graph) and samples the next tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ import torch
 from qworker.config import DTYPE_ALIASES, EngineConfig
 from qworker.engine.cuda_graphs import DecodeCudaGraphs
 from qworker.engine.request import Request
-from qworker.engine.sampler import Sampler, SamplingRow
+from qworker.engine.sampler import PositionLogprobs, Sampler, SamplingRow, compute_logprobs
 from qworker.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
@@ -67,6 +67,22 @@ class StepInputs:
     # [num_sampled] rows of the hidden states whose next token is sampled
     logits_indices: torch.Tensor
     sampled_requests: list[ScheduledRequest]
+    # Prompt logprobs: [P] rows of the hidden states whose logits score the next prompt token,
+    # [P] those tokens, and per request asking (its id, its k, how many rows are its own).
+    prompt_logits_indices: torch.Tensor | None = None
+    prompt_target_ids: torch.Tensor | None = None
+    prompt_logprobs_rows: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class RunnerOutput:
+    """What one step produced: the sampled token of each request whose chunk reached its end,
+    the logprobs of those tokens for requests asking them, and new prompt logprobs in order of
+    position for requests asking them."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -196,7 +212,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
-    def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(
+        self, plan: SchedulerOutput, requests: Mapping[str, Request] | None = None
+    ) -> StepInputs:
         # Decodes (one query token) first: the attention backend runs them as one batch.
         items = sorted(plan.scheduled, key=lambda item: len(item.token_ids) != 1)
         num_decode_seqs = sum(1 for item in items if len(item.token_ids) == 1)
@@ -225,6 +243,24 @@ class ModelRunner:
         sampled_rows = [row for row, item in enumerate(items) if item.needs_sample]
         logits_indices = query_start_loc[1:][sampled_rows] - 1
 
+        # Rows for prompt logprobs: positions p of the chunk with p + 1 a prompt token not yet
+        # scored (a recompute after preemption skips those already reported).
+        prompt_indices: list[np.ndarray] = []
+        prompt_targets: list[list[int]] = []
+        prompt_rows: list[tuple[str, int, int]] = []
+        for row, item in enumerate(items):
+            request = requests.get(item.request_id) if requests is not None else None
+            if request is None or request.sampling_params.prompt_logprobs is None:
+                continue
+            first = max(item.start_position, len(request.prompt_logprobs))
+            last = min(item.start_position + len(item.token_ids), request.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            offset = int(query_start_loc[row]) - item.start_position
+            prompt_indices.append(np.arange(first + offset, last + offset))
+            prompt_targets.append(request.prompt_token_ids[first + 1 : last + 1])
+            prompt_rows.append((item.request_id, request.sampling_params.prompt_logprobs, last - first))
+
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -245,23 +281,42 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.from_numpy(logits_indices).to(device),
             sampled_requests=[items[row] for row in sampled_rows],
+            prompt_logits_indices=(
+                torch.from_numpy(np.concatenate(prompt_indices)).to(device) if prompt_indices else None
+            ),
+            prompt_target_ids=(
+                torch.tensor([t for ts in prompt_targets for t in ts], dtype=torch.int64, device=device)
+                if prompt_targets
+                else None
+            ),
+            prompt_logprobs_rows=prompt_rows,
         )
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, int]:
-        """Run one step. Returns the sampled token of each request whose chunk reached its end."""
+    def execute(self, plan: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
+        """Run one step: sample the next token of each request whose chunk reached its end, with
+        logprobs for requests asking them (raw: before temperature and any cut)."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
+        output = RunnerOutput()
         if plan.is_empty:
-            return {}
-        inputs = self.prepare_inputs(plan)
+            return output
+        inputs = self.prepare_inputs(plan, requests)
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inputs):
             hidden = graphs.run(inputs)
         else:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.prompt_logits_indices is not None and inputs.prompt_target_ids is not None:
+            prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices])
+            num_top = [k for _, k, count in inputs.prompt_logprobs_rows for _ in range(count)]
+            scored = compute_logprobs(prompt_logits, inputs.prompt_target_ids, num_top)
+            start = 0
+            for request_id, _, count in inputs.prompt_logprobs_rows:
+                output.prompt_logprobs[request_id] = scored[start : start + count]
+                start += count
         if not inputs.sampled_requests:
-            return {}
+            return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         rows = []
         for item in inputs.sampled_requests:
@@ -273,10 +328,19 @@ class ModelRunner:
                     generator=self._generator_for(request),
                 )
             )
+        # Rows asking logprobs: their raw distribution, before the sampler masks logits in place.
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw_logits = logits[logprob_rows] if logprob_rows else None
         token_ids = self.sampler.sample(logits, rows)
-        return {
+        output.sampled = {
             item.request_id: token for item, token in zip(inputs.sampled_requests, token_ids, strict=True)
         }
+        if raw_logits is not None:
+            chosen = torch.tensor([token_ids[i] for i in logprob_rows], dtype=torch.int64, device=self.device)
+            num_top = [rows[i].params.logprobs or 0 for i in logprob_rows]
+            for i, scored in zip(logprob_rows, compute_logprobs(raw_logits, chosen, num_top), strict=True):
+                output.logprobs[inputs.sampled_requests[i].request_id] = scored
+        return output
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed

@@ -101,3 +101,43 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
         remove |= mass_before >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
+
+
+@dataclass
+class PositionLogprobs:
+    """The raw logprobs at one position: of the token that came next there (sampled, or the next
+    prompt token), its rank (1 = most likely; ties share the better rank), and the top-k
+    alternatives in descending order."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[PositionLogprobs]:
+    """logits: [N, vocab] raw (before temperature and any cut); token_ids: [N] the token taken at
+    each row; num_top: k per row. One log_softmax and one topk (at the largest k) for the batch."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    max_top = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top > 0 else (None, None)
+    chosen_list = chosen[:, 0].tolist()
+    ranks_list = ranks.tolist()
+    ids_list = token_ids.tolist()
+    top_values_list = top_values.tolist() if top_values is not None else []
+    top_ids_list = top_ids.tolist() if top_ids is not None else []
+    return [
+        PositionLogprobs(
+            token_id=ids_list[i],
+            logprob=chosen_list[i],
+            rank=ranks_list[i],
+            top_token_ids=top_ids_list[i][:k] if k else [],
+            top_logprobs=top_values_list[i][:k] if k else [],
+        )
+        for i, k in enumerate(num_top)
+    ]

@@ -15,6 +15,10 @@ MAX_SEED = 2**63 - 1
 # Temperatures between 0 and this are raised to it, as vLLM does: dividing float32 logits by a
 # smaller one overflows to inf, and the softmax of a row with infs is NaN.
 MIN_SAMPLING_TEMPERATURE = 1e-2
+# Bounds on the per-request fan-out and on the alternatives reported per position (vLLM's
+# default max_logprobs is 20, as is OpenAI's top_logprobs limit).
+MAX_N = 128
+MAX_LOGPROBS = 20
 
 
 def _as_float(name: str, value: object) -> float:
@@ -43,6 +47,12 @@ class SamplingParams:
     A `seed` (a signed 64-bit integer) makes the request's random draws depend only on itself,
     whatever else shares the batch.
 
+    `n` completions of one prompt share its KV blocks; completion i samples with a seed derived
+    from (seed, i) (`child_seed`). `logprobs=k` reports, per generated token, the sampled
+    token's logprob and rank plus the top k alternatives; `prompt_logprobs=k` the same per
+    prompt token. Logprobs are raw: log_softmax of the model's logits before temperature,
+    top-k, top-p and min-p (vLLM's default), so they do not depend on the sampling settings.
+
     The checks here depend on the values alone. Those that depend on the model (token ids within
     its vocabulary) run when a request enters the engine: `check_model_limits`.
     """
@@ -59,6 +69,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +112,12 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             raise bad(f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -113,6 +132,15 @@ class SamplingParams:
                 f"stop_token_ids {outside[:5]} {'are' if len(outside) > 1 else 'is'} outside the "
                 f"vocabulary [0, {vocab_size})"
             )
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of completion `index` of n: the request's seed for completion 0, and for the
+        others a signed 64-bit mix of (seed, index), so each completion has its own stream."""
+        if self.seed is None or index == 0:
+            return self.seed
+        mixed = (self.seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+        mixed ^= mixed >> 31
+        return mixed - 2**64 if mixed >= 2**63 else mixed
 
     @property
     def is_greedy(self) -> bool:

@@ -5,7 +5,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from qworker.config import SchedulingPolicy
-from qworker.engine.kv_cache_manager import KVCacheManager
+from qworker.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from qworker.engine.request import Request, RequestStatus
 
 
@@ -202,7 +202,11 @@ class Scheduler:
             request = self._peek_waiting()
             if request is None:
                 break
-            cached_prefix = manager.find_cached_prefix(request)
+            # Cached tokens produce no logits: a request scoring its prompt computes all of it.
+            if request.sampling_params.prompt_logprobs is not None:
+                cached_prefix = CachedPrefix()
+            else:
+                cached_prefix = manager.find_cached_prefix(request)
             num_remaining = request.num_tokens - cached_prefix.num_tokens
             num_new_tokens = min(num_remaining, token_budget)
             if (
