@@ -27,7 +27,14 @@ from qworker.batch.progress import Progress
 from qworker.batch.rows import RowFailure, RowRequest
 from qworker.engine.outputs import CompletionOutput
 from qworker.worker.client import Client
-from qworker.worker.jobs import ChatMessage, Job, JobResult, JobStatus, format_validation_error
+from qworker.worker.jobs import (
+    ChatMessage,
+    Job,
+    JobResult,
+    JobStatus,
+    format_validation_error,
+    logprobs_dict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +105,38 @@ def job_for(row: RowRequest, default_max_tokens: int) -> Job:
 
 
 def generation_from_result(result: JobResult) -> Generation:
-    """A completed job's output as a Generation. n > 1 and logprobs come with the job result's
-    fields for them (rows asking for them fail before they are sent, until those exist)."""
-    completion = CompletionOutput(
-        index=0, text=result.text, token_ids=list(result.token_ids), finish_reason=result.finish_reason
+    """A completed job's output as a Generation: its n completions (`outputs`, or the top-level
+    fields for one), with logprobs and prompt logprobs back in the engine's shape."""
+    if result.outputs is not None:
+        completions = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text,
+                token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason,
+                logprobs=[logprobs_dict(p) for p in c.logprobs] if c.logprobs is not None else None,
+            )
+            for c in result.outputs
+        ]
+    else:
+        completions = [
+            CompletionOutput(
+                index=0,
+                text=result.text,
+                token_ids=list(result.token_ids),
+                finish_reason=result.finish_reason,
+                logprobs=[logprobs_dict(p) for p in result.logprobs] if result.logprobs is not None else None,
+            )
+        ]
+    prompt_logprobs = None
+    if result.prompt_logprobs is not None:
+        prompt_logprobs = [logprobs_dict(p) if p is not None else None for p in result.prompt_logprobs]
+    return Generation(
+        num_prompt_tokens=result.usage.prompt_tokens,
+        completions=sorted(completions, key=lambda c: c.index),
+        prompt_token_ids=result.prompt_token_ids,
+        prompt_logprobs=prompt_logprobs,
     )
-    return Generation(num_prompt_tokens=result.usage.prompt_tokens, completions=[completion])
 
 
 def error_of_result(result: JobResult) -> RowError:

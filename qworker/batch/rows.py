@@ -22,12 +22,9 @@ from qworker.errors import InvalidParamsError
 # the same job on every run, so that a rerun finds what an earlier run stored.
 BATCH_NAMESPACE = uuid.UUID("3c1f8e52-7a4b-4d2e-9b61-0d5a8c7e4f21")
 
-# Body fields whose engine feature has not landed yet. A row that asks for one (n above 1,
-# logprobs, top_logprobs; so also echo with logprobs) gets a 400 "not supported yet" line, never
-# a silent default. Everything else is in place: sampling_kwargs already fills SamplingParams' vLLM
-# names (n, logprobs, prompt_logprobs) and the bodies read CompletionOutput.logprobs and
-# RequestOutput.prompt_logprobs. Once the engine and the job result carry them, empty this set.
-PENDING_FIELDS: frozenset[str] = frozenset({"n", "logprobs", "top_logprobs"})
+# Body fields whose engine feature has not landed yet: a row that asks for one gets a 400 "not
+# supported yet" line, never a silent default. n, logprobs and top_logprobs have landed.
+PENDING_FIELDS: frozenset[str] = frozenset()
 
 # OpenAI's completions default; a chat row without a limit runs to the end of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

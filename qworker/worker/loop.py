@@ -30,8 +30,10 @@ from qworker.worker.jobs import (
     JobStatus,
     Timings,
     Usage,
+    completion_result,
     decode_job,
     resolve_job_id,
+    token_logprobs,
 )
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.settings import WorkerSettings
@@ -428,8 +430,27 @@ class Worker:
             result.token_ids = list(completion.token_ids)
             result.finish_reason = completion.finish_reason if status is JobStatus.COMPLETED else status.value
             result.usage = Usage(
-                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(completion.token_ids)
+                prompt_tokens=len(output.prompt_token_ids),
+                completion_tokens=sum(len(c.token_ids) for c in output.outputs),
             )
+            params = job.params if job is not None else None
+            num_top = (params.logprobs or 0) if params is not None else 0
+            if completion.logprobs is not None:
+                result.logprobs = [token_logprobs(p, num_top) for p in completion.logprobs]
+            if output.prompt_logprobs is not None:
+                num_prompt_top = (params.prompt_logprobs or 0) if params is not None else 0
+                result.prompt_logprobs = [
+                    token_logprobs(p, num_prompt_top) if p is not None else None
+                    for p in output.prompt_logprobs
+                ]
+                result.prompt_token_ids = list(output.prompt_token_ids)
+            if params is not None and params.n > 1:
+                result.outputs = [
+                    completion_result(
+                        c, c.finish_reason if status is JobStatus.COMPLETED else status.value, num_top
+                    )
+                    for c in output.outputs
+                ]
             timings.started_at = output.metrics.first_scheduled_time
             timings.first_token_at = output.metrics.first_token_time
             timings.finished_at = output.metrics.finished_time or timings.finished_at

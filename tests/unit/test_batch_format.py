@@ -164,14 +164,20 @@ def test_rows_that_cannot_run_get_an_error_with_a_status(body, url, status, code
         ({"prompt": "x", "n": 3}, COMPLETIONS, "n"),
     ],
 )
-def test_engine_features_not_there_yet_are_refused_per_row_not_ignored(body, url, field):
-    assert rows_module.PENDING_FIELDS, "the engine has them now: move these cases to the mapping test"
-    error = row_error(body, url)
-    assert error.status_code == 400 and error.code == "unsupported_parameter"
-    assert error.message.startswith(field) and "not supported yet" in error.message
-    # The values meaning "off" are accepted.
-    parse(chat_body(n=1, logprobs=False, top_logprobs=None))
-    parse({"prompt": "x", "n": 1, "logprobs": None, "echo": True}, COMPLETIONS)
+def test_n_and_logprobs_rows_are_accepted_and_reach_sampling_params(body, url, field):
+    assert not rows_module.PENDING_FIELDS
+    row = parse(body, url)
+    params = row.sampling_params(8)
+    if field == "n":
+        assert params.n == body["n"]
+    else:
+        assert params.logprobs == (
+            body.get("top_logprobs") or (0 if body["logprobs"] is True else body["logprobs"])
+        )
+        assert params.prompt_logprobs == (params.logprobs if body.get("echo") else None)
+    # The values meaning "off" leave the defaults.
+    off = parse(chat_body(n=1, logprobs=False, top_logprobs=None)).sampling_params(8)
+    assert (off.n, off.logprobs, off.prompt_logprobs) == (1, None, None)
 
 
 @pytest.mark.timeout(10)
