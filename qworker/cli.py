@@ -22,6 +22,7 @@ from qworker.config import EngineConfig
 from qworker.errors import ConnectError, EngineFailedError, QworkerError
 from qworker.worker.demand import PoolSizing
 from qworker.worker.exporter import DEFAULT_EXPORTER_PORT, DEFAULT_INTERVAL_S
+from qworker.worker.retry import BrokerOutageError
 from qworker.worker.settings import WorkerSettings
 
 # Plain click help, not typer's rich panels: rich crops option names to fit its table
@@ -42,6 +43,7 @@ app = typer.Typer(
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3  # a queue or result store that cannot be reached or logged in to
 EXIT_ENGINE_FAILED = 4  # engine steps failed max_step_failures times in a row
+EXIT_BROKER_OUTAGE = 5  # the queue or results store was unreachable longer than --broker-outage-s
 
 AWS_CREDENTIAL_SOURCES = (
     "boto3 looked in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), the shared files "
@@ -108,6 +110,8 @@ def reported_errors() -> Iterator[None]:
     except Exception as exc:
         if isinstance(exc, EngineFailedError):
             code = EXIT_ENGINE_FAILED
+        elif isinstance(exc, BrokerOutageError):
+            code = EXIT_BROKER_OUTAGE
         elif isinstance(exc, ConnectError):
             code = EXIT_UNREACHABLE
         elif isinstance(exc, QworkerError):

@@ -44,6 +44,8 @@ class HealthState:
         self._last_tick: float | None = None
         self._is_ready = False
         self._is_draining = False
+        # Why the broker is unreachable, while it is: not ready until it answers again.
+        self._broker_outage: str | None = None
 
     def tick(self) -> None:
         """The loop is alive: call once per iteration."""
@@ -55,6 +57,11 @@ class HealthState:
         """True once the model is loaded and the queue answered; False when either is lost."""
         with self._lock:
             self._is_ready = is_ready
+
+    def set_broker_outage(self, reason: str | None) -> None:
+        """The broker is unreachable (`reason`), or reachable again (None)."""
+        with self._lock:
+            self._broker_outage = reason
 
     def set_draining(self) -> None:
         """A drain began (SIGTERM): not ready from now on, for good."""
@@ -74,8 +81,11 @@ class HealthState:
     def readiness(self) -> tuple[bool, str]:
         with self._lock:
             is_ready, is_draining = self._is_ready, self._is_draining
+            broker_outage = self._broker_outage
         if is_draining:
             return False, "draining"
+        if broker_outage is not None:
+            return False, f"broker unreachable: {broker_outage}"
         if not is_ready:
             return False, "starting"
         return True, "ok"

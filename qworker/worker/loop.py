@@ -5,6 +5,10 @@ One iteration: (1) admission decides how many jobs to pull and the source leases
 decoded and either resolved at once (bad input, expired, cancelled, already done) or added to the
 engine; (2) one engine step; its deltas go out in one write and finished jobs get their results;
 (3) housekeeping on timers: lease extension, cancel flags, deadlines, stats.
+
+Writes go through an outbox: deltas, then results, then acks (or dead letters), in that order.
+When the broker is away (retry.py), the outbox keeps them and retries on a backoff while the
+engine keeps stepping for the jobs held; after a reconnect the leases are checked at once.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from qworker.worker.jobs import (
     token_logprobs,
 )
 from qworker.worker.metrics import WorkerMetrics
+from qworker.worker.retry import BrokerOutage, BrokerOutageError, is_transient
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.sinks.base import Delta, ResultSink
 from qworker.worker.sources.base import JobSource, Lease
@@ -43,6 +48,21 @@ from qworker.worker.sources.base import JobSource, Lease
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Text deltas kept while the broker is away; past this, new ones are dropped (the live stream
+# then misses tokens; the result, written after, holds the whole text).
+MAX_BUFFERED_DELTAS = 50_000
+
+
+@dataclass
+class _Final:
+    """How a job ends, waiting to reach the broker: its result (if any) is stored first, then
+    each lease is acked, or dead-lettered when `dead_letter` gives (kind, reason)."""
+
+    result: JobResult | None
+    leases: list[Lease]
+    dead_letter: tuple[str, str] | None = None
+    is_stored: bool = False
 
 
 @dataclass
@@ -73,6 +93,9 @@ class WorkerStats:
     num_skipped_done: int = 0
     num_leases_lost: int = 0
     num_steps: int = 0
+    # Broker outages ridden out, and text deltas dropped because one lasted too long.
+    num_broker_outages: int = 0
+    num_deltas_dropped: int = 0
 
 
 class Worker:
@@ -109,6 +132,14 @@ class Worker:
         # if the attempt never ends here, to say why the job is later dead-lettered.
         self._attempt_notes: dict[str, str] = {}
         self._num_step_failures = 0
+        self.outage = BrokerOutage(self.settings.broker_outage_s)
+        # Writes not yet made (the broker is away, or they are this step's): deltas, then finals.
+        self._delta_buffer: list[Delta] = []
+        self._outbox: list[_Final] = []
+        # Job id -> its final in the outbox, so that a redelivery of it joins that final.
+        self._final_by_job: dict[str, _Final] = {}
+        # Leased messages not yet taken (the broker went away while taking them).
+        self._intake: list[Lease] = []
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
         # Seconds per engine step, smoothed: estimates whether a job can finish during a drain.
@@ -156,21 +187,31 @@ class Worker:
             )
         # The model is loaded (the engine exists) and the source connected when it was opened.
         self.health.set_ready(True)
-        while True:
-            self.health.tick()
-            if self._stop.is_set() and self._drain_deadline is None:
-                self._begin_drain()
-            if self._drain_deadline is not None:
-                self._drain_tick()
-                if not self._held:
-                    break
-            else:
-                num_leased = self._pull(block=not self._held and not burst)
-                if burst and num_leased == 0 and not self._held:
-                    break
-            self._housekeeping()
-            if self.engine.has_unfinished_requests():
-                self._step()
+        try:
+            while True:
+                self.health.tick()
+                self.outage.check_limit()
+                if self._stop.is_set() and self._drain_deadline is None:
+                    self._begin_drain()
+                if self._drain_deadline is not None:
+                    self._drain_tick()
+                    if not self._held and not self._outbox:
+                        break
+                else:
+                    num_leased = self._pull(block=not self._held and not burst)
+                    is_settled = not self._held and not self._outbox and not self.outage.is_down
+                    if burst and num_leased == 0 and is_settled:
+                        break
+                self._flush()
+                self._housekeeping()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                elif self.outage.is_down:
+                    # Nothing to compute: wait for the next try rather than spin.
+                    time.sleep(min(0.5, max(0.0, self.outage.next_try_at - time.monotonic())))
+        except BrokerOutageError as exc:
+            self._give_up(str(exc))
+            raise
         self._write_stats(self.admission_stats())
         logger.info("worker %s stopped: %s", self.name, self.stats)
         return self.stats
@@ -194,18 +235,36 @@ class Worker:
         return decision
 
     def _pull(self, block: bool) -> int:
-        decision = self.admission_stats()
-        if decision.num_jobs_to_pull == 0:
+        if not self.outage.may_try():
             return 0
-        leases = self.source.lease(
-            decision.num_jobs_to_pull, self.settings.poll_interval_s if block else 0.0, is_idle=not self._held
-        )
-        for lease in leases:
-            self._take_safely(lease)
+        if not self._intake:
+            decision = self.admission_stats()
+            if decision.num_jobs_to_pull == 0:
+                return 0
+            try:
+                self._intake = self.source.lease(
+                    decision.num_jobs_to_pull,
+                    self.settings.poll_interval_s if block else 0.0,
+                    is_idle=not self._held,
+                )
+            except Exception as exc:
+                self._on_broker_error(exc, "leasing jobs")
+                return 0
+            self._on_broker_ok()
+        num_leased = len(self._intake)
+        while self._intake:
+            try:
+                # Only reads reach the broker before a job enters the engine (writes go to the
+                # outbox), so a message that failed part-way is taken again from the start.
+                self._take_safely(self._intake[0])
+            except Exception as exc:
+                self._on_broker_error(exc, "taking a job")
+                return num_leased
+            self._intake.pop(0)
         if self._attempt_notes:
-            self.sink.write_last_errors(self._attempt_notes)
-            self._attempt_notes = {}
-        return len(leases)
+            notes, self._attempt_notes = self._attempt_notes, {}
+            self._best_effort("writing attempt notes", lambda: self.sink.write_last_errors(notes))
+        return num_leased
 
     def _take_safely(self, lease: Lease) -> None:
         """_take, with an error it did not foresee confined to this one message: the message is
@@ -214,6 +273,8 @@ class Worker:
         try:
             self._take(lease)
         except Exception as exc:
+            if is_transient(exc):
+                raise  # the broker is away, not this message at fault: taken again later
             reason = f"internal error while taking the job: {type(exc).__name__}: {exc}"
             logger.error("message %s: %s", lease.message_id, reason)
             logger.debug("message %s: the error", lease.message_id, exc_info=True)
@@ -245,9 +306,15 @@ class Worker:
             else:
                 held.extra_leases.append(lease)
             return
+        pending = self._final_by_job.get(job_id)
+        if pending is not None:
+            # Its result waits in the outbox (the broker was away): acked with it.
+            if all(le.message_id != lease.message_id for le in pending.leases):
+                pending.leases.append(lease)
+            return
         if self.sink.has_result(job_id):
             self.stats.num_skipped_done += 1
-            self.source.ack(lease)
+            self._send_final(_Final(None, [lease]))
             return
         if lease.rejection is not None:
             self._fail_and_dead_letter(lease, job_id, "Rejected", lease.rejection)
@@ -294,7 +361,7 @@ class Worker:
             return
         if lease.delivery_count > 1:
             # This attempt streams from the start: live readers drop what earlier ones streamed.
-            self.sink.write_deltas([Delta(job_id, "", attempt=lease.delivery_count)])
+            self._delta_buffer.append(Delta(job_id, "", attempt=lease.delivery_count))
         self._attempt_notes[job_id] = (
             f"attempt {lease.delivery_count} (worker {self.name}, begun "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}) ended without a result: "
@@ -348,10 +415,11 @@ class Worker:
             if out.finished:
                 finished.append((held, out.output))
         # Deltas first: a live reader sees every delta before the done marker of the result.
-        self.sink.write_deltas(deltas)
+        self._buffer_deltas(deltas)
         for held, output in finished:
             assert output is not None, "a finished step output carries the whole result"
             self._complete(held, output, JobStatus.COMPLETED, None)
+        self._flush()
         elapsed = time.perf_counter() - started
         self._step_seconds += 0.2 * (elapsed - self._step_seconds)
 
@@ -397,8 +465,11 @@ class Worker:
             except Exception:
                 logger.debug("job %s: abort failed", h.job.id, exc_info=True)
         self._held.clear()
-        self.sink.write_last_errors({h.job.id: reason for h in held})
-        self.source.release([le for h in held for le in (h.lease, *h.extra_leases)])
+        self._best_effort(
+            "noting the hand-back", lambda: self.sink.write_last_errors({h.job.id: reason for h in held})
+        )
+        leases = [le for h in held for le in (h.lease, *h.extra_leases)]
+        self._best_effort("releasing jobs", lambda: self.source.release(leases))
         self.stats.num_released += len(held)
         self.metrics.observe_released(len(held))
         logger.info("worker %s released %d jobs to its peers", self.name, len(held))
@@ -460,12 +531,7 @@ class Worker:
         """The one place a job ends: its result is stored, and only then is its message acked."""
         if self.settings.log_payloads:
             logger.debug("job %s result (%s): %r", result.id, result.status.value, result.text)
-        if self.sink.write_result(result):
-            self.metrics.observe_result(result)
-        else:
-            logger.info("job %s already had a result; keeping that one", result.id)
-        for lease in leases:
-            self.source.ack(lease)
+        self._send_final(_Final(result, list(leases)))
         counter = f"num_{result.status.value}"
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
@@ -497,14 +563,13 @@ class Worker:
         error = JobError(type=error_type, message=reason)
         # The result first, so that a client waiting on this id hears why; then the message moves.
         result = self._result(job_id, None, lease, JobStatus.FAILED, error, None)
-        if self.sink.write_result(result):
-            self.metrics.observe_result(result)
-        self._dead_letter(lease, error_type, reason)
+        self._dead_letter(lease, error_type, reason, result)
 
-    def _dead_letter(self, lease: Lease, kind: str, reason: str) -> None:
-        """`kind`: a short fixed name (the metric's label), `reason`: the words for people."""
+    def _dead_letter(self, lease: Lease, kind: str, reason: str, result: JobResult | None = None) -> None:
+        """`kind`: a short fixed name (the metric's label), `reason`: the words for people;
+        `result`, stored first, so that a client waiting on the job hears why."""
         logger.warning("message %s dead-lettered: %s", lease.message_id, reason)
-        self.source.dead_letter(lease, reason)
+        self._send_final(_Final(result, [lease], dead_letter=(kind, reason)))
         self.stats.num_dead_lettered += 1
         self.metrics.observe_dead_letter(kind)
 
@@ -528,12 +593,25 @@ class Worker:
         for held in [h for h in self._held.values() if h.deadline is not None and now >= h.deadline]:
             message = f"job ran past its timeout_s of {held.job.timeout_s}s"
             self._abort(held, JobStatus.TIMEOUT, JobError(type="Timeout", message=message))
+        if not self.outage.may_try():
+            return
         if self._held and self._due("cancel"):
-            for job_id in self.sink.cancelled_ids(list(self._held)):
+            try:
+                cancelled = self.sink.cancelled_ids(list(self._held))
+            except Exception as exc:
+                self._on_broker_error(exc, "reading cancel flags")
+                return
+            self._on_broker_ok()
+            for job_id in cancelled:
                 self._abort(self._held[job_id], JobStatus.CANCELLED, None)
         if self._held and self._due("extend"):
             leases = [le for h in self._held.values() for le in (h.lease, *h.extra_leases)]
-            lost = {le.message_id for le in self.source.extend(leases)}
+            try:
+                lost = {le.message_id for le in self.source.extend(leases)}
+            except Exception as exc:
+                self._on_broker_error(exc, "extending leases")
+                return
+            self._on_broker_ok()
             for held in [h for h in self._held.values() if h.lease.message_id in lost]:
                 # A peer owns the message now and will run it; running it too would only waste work.
                 logger.warning("job %s: lease lost to a peer; dropping it here", held.job.id)
@@ -554,7 +632,8 @@ class Worker:
             admission.num_reserved_blocks,
             admission.num_committed_blocks,
         )
-        self.sink.write_worker_stats(self.name, self.stats)
+        self.stats.num_broker_outages = self.outage.num_outages
+        self._best_effort("writing worker stats", lambda: self.sink.write_worker_stats(self.name, self.stats))
         # As the worker sees them: a job runs once it produced a token, and waits in the engine
         # before that (queued or still prefilling).
         num_waiting = admission.num_jobs_not_started
@@ -567,6 +646,109 @@ class Worker:
             headroom_blocks=admission.num_headroom_blocks,
             num_cached_blocks=kv.num_cached_blocks,
         )
+
+    # -- the outbox and broker outages ----------------------------------------------------------
+
+    def _buffer_deltas(self, deltas: list[Delta]) -> None:
+        room = MAX_BUFFERED_DELTAS - len(self._delta_buffer)
+        if len(deltas) > room:
+            if self.stats.num_deltas_dropped == 0 or room > 0:
+                logger.warning(
+                    "worker %s: %d deltas wait for the broker; dropping new ones until it returns",
+                    self.name, len(self._delta_buffer),
+                )  # fmt: skip
+            self.stats.num_deltas_dropped += len(deltas) - max(0, room)
+            deltas = deltas[: max(0, room)]
+        self._delta_buffer.extend(deltas)
+
+    def _send_final(self, final: _Final) -> None:
+        self._outbox.append(final)
+        if final.result is not None:
+            self._final_by_job[final.result.id] = final
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write what waits, in order: deltas, then each final's result and its acks. Stops at
+        the first broker error (the outage clock runs; the next try is on its backoff)."""
+        if not (self._delta_buffer or self._outbox) or not self.outage.may_try():
+            return
+        try:
+            if self._delta_buffer:
+                self.sink.write_deltas(self._delta_buffer)
+                self._delta_buffer = []
+            while self._outbox:
+                final = self._outbox[0]
+                if final.result is not None and not final.is_stored:
+                    if self.sink.write_result(final.result):
+                        self.metrics.observe_result(final.result)
+                    else:
+                        logger.info("job %s already had a result; keeping that one", final.result.id)
+                    final.is_stored = True
+                while final.leases:
+                    if final.dead_letter is not None:
+                        self.source.dead_letter(final.leases[0], final.dead_letter[1])
+                    else:
+                        self.source.ack(final.leases[0])
+                    final.leases.pop(0)
+                self._outbox.pop(0)
+                if final.result is not None and self._final_by_job.get(final.result.id) is final:
+                    del self._final_by_job[final.result.id]
+        except Exception as exc:
+            self._on_broker_error(exc, "writing results")
+            return
+        self._on_broker_ok()
+
+    def _on_broker_error(self, exc: Exception, what: str) -> None:
+        """A broker call failed: a transient error counts toward the outage (raising
+        BrokerOutageError past its limit); any other is re-raised."""
+        if not is_transient(exc):
+            raise exc
+        self.outage.failed(exc, what)
+        self.health.set_broker_outage(self.outage.last_error)
+
+    def _on_broker_ok(self) -> None:
+        if self.outage.succeeded():
+            self.health.set_broker_outage(None)
+            self.stats.num_broker_outages = self.outage.num_outages
+            # Check the leases now: a peer may have reclaimed a job while the broker was away,
+            # or the broker restarted without the stream.
+            interval, _ = self._timers["extend"]
+            self._timers["extend"] = (interval, 0.0)
+
+    def _best_effort(self, what: str, call: Callable[[], object]) -> bool:
+        """Make a broker call whose loss costs nothing lasting (stats, notes, a release that the
+        lease's expiry stands in for); True if it was made."""
+        if not self.outage.may_try():
+            return False
+        try:
+            call()
+        except Exception as exc:
+            self._on_broker_error(exc, what)
+            return False
+        self._on_broker_ok()
+        return True
+
+    def _give_up(self, reason: str) -> None:
+        """The outage lasted the limit: free the engine, try once to release the held jobs (their
+        leases expire otherwise), and let the error end the worker."""
+        logger.error("worker %s gives up: %s", self.name, reason)
+        held = list(self._held.values())
+        for h in held:
+            try:
+                self.engine.abort(h.job.id)
+            except Exception:
+                logger.debug("job %s: abort failed", h.job.id, exc_info=True)
+        self._held.clear()
+        leases = [le for h in held for le in (h.lease, *h.extra_leases)]
+        try:
+            self.source.release(leases)
+        except Exception:
+            logger.info("worker %s: could not release %d jobs; their leases expire", self.name, len(leases))
+        num_unstored = sum(1 for f in self._outbox if f.result is not None and not f.is_stored)
+        logger.error(
+            "worker %s stopped after a broker outage: %d jobs held, %d results not stored: %s",
+            self.name, len(held), num_unstored, self.stats,
+        )  # fmt: skip
 
     # -- drain -------------------------------------------------------------------------------
 
@@ -600,8 +782,12 @@ class Worker:
             self.engine.abort(held.job.id)
             self._held.pop(held.job.id)
         note = f"attempt released by worker {self.name} during a drain (SIGTERM)"
-        self.sink.write_last_errors({h.job.id: note for h in to_release})
-        self.source.release([le for h in to_release for le in (h.lease, *h.extra_leases)])
+        self._best_effort(
+            "noting the drain", lambda: self.sink.write_last_errors({h.job.id: note for h in to_release})
+        )
+        leases = [le for h in to_release for le in (h.lease, *h.extra_leases)]
+        # If the broker is away, the leases expire and peers take the jobs.
+        self._best_effort("releasing jobs", lambda: self.source.release(leases))
         self.stats.num_released += len(to_release)
         self.metrics.observe_released(len(to_release))
         logger.info("worker %s released %d jobs to its peers", self.name, len(to_release))

@@ -78,6 +78,15 @@ class WorkerSettings:
     drain_grace_s: float = field(
         default=30.0, metadata={"help": "SIGTERM: finish what can finish within this, release the rest"}
     )
+    # Long enough for a Redis restart or failover; short enough that an orchestrator restarts a
+    # worker whose broker is gone for good.
+    broker_outage_s: float = field(
+        default=180.0,
+        metadata={
+            "help": "Seconds the worker rides out an unreachable queue or results store (retrying "
+            "with backoff) before it exits (code 5)"
+        },
+    )
     # Off by default: a port is something an operator chooses (and opens) on purpose.
     metrics_port: int | None = field(
         default=None,
@@ -97,5 +106,7 @@ class WorkerSettings:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_step_failures < 1:
             raise ValueError(f"max_step_failures must be >= 1, got {self.max_step_failures}")
+        if self.broker_outage_s <= 0:
+            raise ValueError(f"broker_outage_s must be > 0, got {self.broker_outage_s}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")

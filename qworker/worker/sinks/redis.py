@@ -22,6 +22,7 @@ from typing import Any
 from qworker.worker import constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_redis_url, redis_client, url_number
 from qworker.worker.jobs import JobResult
+from qworker.worker.retry import bound_socket_timeouts
 from qworker.worker.sinks.base import Delta, ResultSink, latest_attempt
 
 # A live reader wakes at least this often to check for a result written without a done marker
@@ -182,7 +183,7 @@ def open_sink(url: str) -> RedisResultSink:
     # A Redis URL may serve as queue and results at once: the source's parameters are accepted.
     parsed = parse_redis_url(url, SOURCE_PARAMS | SINK_PARAMS)
     return RedisResultSink(
-        redis_client(parsed.connection_url),
+        bound_socket_timeouts(redis_client(parsed.connection_url)),
         prefix=parsed.params.get("prefix", constants.DEFAULT_RESULT_PREFIX),
         result_ttl_s=int(url_number(parsed.params, "result_ttl_s", constants.DEFAULT_RESULT_TTL_S)),
         delta_ttl_s=int(url_number(parsed.params, "delta_ttl_s", constants.DEFAULT_DELTA_TTL_S)),

@@ -5,6 +5,10 @@
 - ack: XACK + XDEL in one transaction, after the result is stored.
 - release: set the entry's idle time past the lease, so the next XAUTOCLAIM of any peer takes it.
 - dead_letter: XADD the entry with its reason to the dead-letter stream, then ack it.
+
+A Redis that restarted without persistence has lost the stream and its group (NOGROUP): the
+group is made again, leases held on the old stream are reported lost, and acks of entries that
+no longer exist are done.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 from qworker.worker import constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_redis_url, redis_client, url_number
 from qworker.worker.jobs import job_id_problem
+from qworker.worker.retry import bound_socket_timeouts
 from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
 from qworker.worker.text import as_text
 
@@ -86,9 +91,15 @@ class RedisStreamSource(JobSource):
 
     def _read_new(self, count: int, block_s: float) -> list[Lease]:
         block_ms = int(block_s * 1000) if block_s > 0 else None
-        reply = self.redis.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
-        )
+        try:
+            reply = self.redis.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+            )
+        except Exception as exc:
+            if not _is_no_group(exc):
+                raise
+            ensure_group(self.redis, self.stream, self.group)
+            return []
         leases = []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
@@ -98,9 +109,17 @@ class RedisStreamSource(JobSource):
     def _reclaim(self, count: int) -> list[Lease]:
         self._last_reclaim = time.monotonic()
         min_idle_ms = int(self.lease_timeout_s * 1000)
-        reply = self.redis.xautoclaim(
-            self.stream, self.group, self.consumer, min_idle_ms, start_id=self._reclaim_cursor, count=count
-        )
+        try:
+            cursor = self._reclaim_cursor
+            reply = self.redis.xautoclaim(
+                self.stream, self.group, self.consumer, min_idle_ms, start_id=cursor, count=count
+            )
+        except Exception as exc:
+            if not _is_no_group(exc):
+                raise
+            ensure_group(self.redis, self.stream, self.group)
+            self._reclaim_cursor = "0-0"
+            return []
         cursor, entries = reply[0], reply[1]
         self._reclaim_cursor = as_text(cursor)
         entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
@@ -152,9 +171,16 @@ class RedisStreamSource(JobSource):
     def extend(self, leases: list[Lease]) -> list[Lease]:
         if not leases:
             return []
-        lost = self._claim_owned(
-            keys=[self.stream], args=[self.group, self.consumer, 0, *[le.message_id for le in leases]]
-        )
+        try:
+            lost = self._claim_owned(
+                keys=[self.stream], args=[self.group, self.consumer, 0, *[le.message_id for le in leases]]
+            )
+        except Exception as exc:
+            if not _is_no_group(exc):
+                raise
+            # The stream is gone (a restart without persistence): so is every lease on it.
+            ensure_group(self.redis, self.stream, self.group)
+            return list(leases)
         lost_ids = {as_text(x) for x in lost}
         return [le for le in leases if le.message_id in lost_ids]
 
@@ -164,14 +190,22 @@ class RedisStreamSource(JobSource):
         # Acked entries are deleted so that the stream does not grow without bound. (A second
         # consumer group on the same stream would need them kept; qworker uses one group.)
         pipe.xdel(self.stream, lease.message_id)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except Exception as exc:
+            if not _is_no_group(exc):
+                raise  # with no group, the entry is gone: nothing left to ack
 
     def release(self, leases: list[Lease]) -> None:
         if leases:
-            self._claim_owned(
-                keys=[self.stream],
-                args=[self.group, self.consumer, RELEASED_IDLE_MS, *[le.message_id for le in leases]],
-            )
+            try:
+                self._claim_owned(
+                    keys=[self.stream],
+                    args=[self.group, self.consumer, RELEASED_IDLE_MS, *[le.message_id for le in leases]],
+                )
+            except Exception as exc:
+                if not _is_no_group(exc):
+                    raise
 
     def dead_letter(self, lease: Lease, reason: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
@@ -201,6 +235,13 @@ class RedisStreamSource(JobSource):
 
     def close(self) -> None:
         self.redis.close()
+
+
+def _is_no_group(exc: Exception) -> bool:
+    """The stream or its consumer group does not exist (Redis restarted without persistence)."""
+    import redis as redis_lib
+
+    return isinstance(exc, redis_lib.ResponseError) and "NOGROUP" in str(exc)
 
 
 def ensure_group(redis: Any, stream: str, group: str) -> None:
@@ -251,7 +292,7 @@ def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> Redis
     parsed = parse_redis_url(url, URL_PARAMS)
     stream = parsed.params.get("stream", constants.DEFAULT_STREAM)
     return RedisStreamSource(
-        redis_client(parsed.connection_url),
+        bound_socket_timeouts(redis_client(parsed.connection_url)),
         stream=stream,
         group=parsed.params.get("group", constants.DEFAULT_GROUP),
         consumer=consumer,
