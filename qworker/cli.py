@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -24,6 +24,9 @@ from qworker.worker.demand import PoolSizing
 from qworker.worker.exporter import DEFAULT_EXPORTER_PORT, DEFAULT_INTERVAL_S
 from qworker.worker.retry import BrokerOutageError
 from qworker.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from qworker.worker.dlq import DeadLetterQueue
 
 # Plain click help, not typer's rich panels: rich crops option names to fit its table
 # ("--max-num-batched-to…") on narrow terminals and, off a terminal, at 80 columns. Click's
@@ -382,6 +385,115 @@ def metrics_exporter(
 
 app.command("bench")(bench)
 app.command("batch")(batch)
+
+dlq_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="Dead-letter queues: list, show, replay, purge (Redis Streams, SQS, Celery).",
+)
+app.add_typer(dlq_app, name="dlq")
+DlqResultsOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar=RESULTS_URL_ENV,
+        help="Results URL, where replay removes a job's failed result (none: the queue server when "
+        "it stores results)",
+    ),
+]
+
+
+@contextmanager
+def dead_letters(queue: str | None) -> Iterator[DeadLetterQueue]:
+    from qworker.worker.dlq import open_dead_letters
+
+    with reported_errors(), connecting("queue", queue):
+        dlq = open_dead_letters(queue)
+    try:
+        with reported_errors():
+            yield dlq
+    finally:
+        dlq.close()
+
+
+def _age_text(age_s: float | None) -> str:
+    if age_s is None:
+        return "-"
+    if age_s < 120:
+        return f"{age_s:.0f}s"
+    return f"{age_s / 60:.0f}m" if age_s < 7200 else f"{age_s / 3600:.1f}h"
+
+
+@dlq_app.command("list")
+def dlq_list(
+    queue: QueueOpt = None,
+    limit: Annotated[int, typer.Option(help="Dead letters to read at most")] = 1000,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line")] = False,
+) -> None:
+    """Dead letters, oldest first: id, job id, attempts, age, reason."""
+    with dead_letters(queue) as dlq:
+        letters = dlq.list(limit)
+    for letter in letters:
+        if as_json:
+            typer.echo(json.dumps({k: v for k, v in letter.as_dict().items() if k != "body"}))
+        else:
+            columns = [letter.id, letter.job_id or "-", str(letter.attempts), _age_text(letter.age_s())]
+            typer.echo("\t".join([*columns, letter.reason.replace("\n", " ")]))
+
+
+@dlq_app.command("show")
+def dlq_show(
+    dead_letter_id: Annotated[str, typer.Argument(metavar="ID", help="The id `list` shows")],
+    queue: QueueOpt = None,
+) -> None:
+    """One dead letter with its body, as JSON."""
+    with dead_letters(queue) as dlq:
+        letter = dlq.show(dead_letter_id)
+    if letter is None:
+        typer.echo(f"no dead letter {dead_letter_id!r}", err=True)
+        raise typer.Exit(1)
+    typer.echo(json.dumps(letter.as_dict(), indent=2))
+
+
+@dlq_app.command("replay")
+def dlq_replay(
+    dead_letter_ids: Annotated[list[str] | None, typer.Argument(metavar="[ID]...")] = None,
+    all_letters: Annotated[bool, typer.Option("--all", help="Replay every dead letter")] = False,
+    queue: QueueOpt = None,
+    results: DlqResultsOpt = None,
+) -> None:
+    """Put dead letters back on the queue as new messages (attempts start again) and remove the
+    failed results that would make the worker skip them."""
+    from qworker.worker.connections import default_results_url, open_sink, resolve_url
+
+    if bool(dead_letter_ids) == all_letters:
+        raise typer.BadParameter("give dead-letter ids or --all")
+    with reported_errors(), connecting("results", results):
+        sink = open_sink(results or default_results_url(resolve_url(queue)))
+    try:
+        with dead_letters(queue) as dlq:
+            replayed = dlq.replay(None if all_letters else dead_letter_ids, sink)
+    finally:
+        sink.close()
+    for letter in replayed:
+        typer.echo(f"replayed {letter.id} (job {letter.job_id or '-'})")
+    missing = set(dead_letter_ids or []) - {letter.id for letter in replayed}
+    if missing:
+        typer.echo(f"not found: {', '.join(sorted(missing))}", err=True)
+        raise typer.Exit(1)
+
+
+@dlq_app.command("purge")
+def dlq_purge(
+    queue: QueueOpt = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation")] = False,
+) -> None:
+    """Remove every dead letter."""
+    with dead_letters(queue) as dlq:
+        if not yes:
+            count = len(dlq.list())
+            typer.confirm(f"remove {count} dead letters?", abort=True)
+        removed = dlq.purge()
+    typer.echo(f"removed {removed} dead letters")
 
 
 def main() -> None:

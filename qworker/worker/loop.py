@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from qworker.engine.outputs import RequestOutput
-from qworker.errors import EngineFailedError, EngineStepError, InvalidRequestError
+from qworker.errors import EngineFailedError, EngineStepError, InvalidRequestError, PromptTooLongError
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats, HeldJobSize
 from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.health import HealthState
@@ -351,6 +351,10 @@ class Worker:
             self.engine.add_request(
                 job_id, prompt, job.params, priority=job.priority, arrival_time=lease.enqueued_at or now
             )
+        except PromptTooLongError as exc:
+            # It may fit a worker with a longer context: kept in the dead-letter queue to replay.
+            self._fail_and_dead_letter(lease, job_id, type(exc).__name__, str(exc))
+            return
         except InvalidRequestError as exc:
             self._fail(lease, job_id, job, type(exc).__name__, str(exc))
             return

@@ -235,6 +235,7 @@ class CelerySource(JobSource):
             "task_id": lease.job_id,
             "delivery_count": lease.delivery_count,
             "queue": self.queue,
+            "dead_at": time.time(),
             # The envelope as the broker held it: the body stays base64, never deserialized.
             "envelope": message._raw if message is not None else None,
         }
