@@ -46,7 +46,8 @@ def batch_row(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def mixed_rows(num_rows: int, max_tokens: tuple[int, int] = (3, 16), seed: int = 0) -> list[dict[str, Any]]:
-    """Chat rows, text completions and token-id completions in turn, greedy, of varied lengths."""
+    """Chat rows, text completions and token-id completions in turn, greedy, of varied lengths;
+    every 7th row asks n=2, every 5th logprobs with 2 alternatives."""
     rng = random.Random(seed)
     rows = []
     for i in range(num_rows):
@@ -60,7 +61,20 @@ def mixed_rows(num_rows: int, max_tokens: tuple[int, int] = (3, 16), seed: int =
         else:
             body["prompt"] = [rng.randint(32, 49000) for _ in range(rng.randint(3, 40))]
             rows.append(batch_row(f"row-{i}", COMPLETIONS_URL, body))
+        if i % 7 == 3:
+            body["n"] = 2
+        if i % 5 == 4:
+            if "messages" in body:
+                body.update(logprobs=True, top_logprobs=NUM_TOP_LOGPROBS)
+            else:
+                body["logprobs"] = NUM_TOP_LOGPROBS
     return rows
+
+
+NUM_TOP_LOGPROBS = 2
+# Logprobs from another batch composition differ in the last bits.
+LOGPROB_TOLERANCE = 1e-3
+Outcome = tuple[tuple[str, ...], tuple[str, ...], int, int, tuple[float, ...] | None]
 
 
 def write_jsonl(path: Path, rows: Sequence[Any]) -> Path:
@@ -68,10 +82,8 @@ def write_jsonl(path: Path, rows: Sequence[Any]) -> Path:
     return path
 
 
-def reference_outputs(
-    model_dir: Path, rows: Sequence[dict[str, Any]]
-) -> dict[str, tuple[str, str, int, int]]:
-    """custom_id -> (text, finish_reason, prompt tokens, completion tokens) from LLM.generate."""
+def reference_outputs(model_dir: Path, rows: Sequence[dict[str, Any]]) -> dict[str, Outcome]:
+    """custom_id -> outcome() from LLM.generate."""
     from qworker import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), **ENGINE_ARGS)
@@ -86,14 +98,27 @@ def reference_outputs(
             prompts.append(body["prompt"])
         else:
             prompts.append({"prompt_token_ids": body["prompt"]})
-        params.append(SamplingParams(max_tokens=body["max_tokens"], temperature=0.0))
+        logprobs = NUM_TOP_LOGPROBS if body.get("logprobs") else None
+        params.append(
+            SamplingParams(
+                max_tokens=body["max_tokens"], temperature=0.0, n=body.get("n", 1), logprobs=logprobs
+            )
+        )
     outputs = llm.generate(prompts, params)
     return {
         row["custom_id"]: (
-            out.outputs[0].text,
-            out.outputs[0].finish_reason,
+            tuple(c.text for c in out.outputs),
+            tuple(str(c.finish_reason) for c in out.outputs),
             len(out.prompt_token_ids),
-            len(out.outputs[0].token_ids),
+            sum(len(c.token_ids) for c in out.outputs),
+            (
+                tuple(
+                    p[t].logprob
+                    for p, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)
+                )
+                if out.outputs[0].logprobs is not None
+                else None
+            ),
         )
         for row, out in zip(rows, outputs, strict=True)
     }
@@ -104,14 +129,25 @@ def read_output(path: Path) -> list[BatchOutputLine]:
     return [BatchOutputLine.model_validate_json(line) for line in path.read_text().splitlines()]
 
 
-def outcome(line: BatchOutputLine) -> tuple[str, str, int, int]:
-    """(text, finish_reason, prompt tokens, completion tokens) of a 200 line."""
+def outcome(line: BatchOutputLine) -> Outcome:
+    """(texts, finish reasons, prompt tokens, completion tokens, the sampled tokens' logprobs of
+    choice 0 or None) of a 200 line."""
     assert line.response is not None and line.response.status_code == 200, line
-    body = line.response.body
-    choice = body.choices[0]  # type: ignore[union-attr]
-    text = choice.message.content if body.object == "chat.completion" else choice.text  # type: ignore[union-attr]
-    usage = body.usage  # type: ignore[union-attr]
-    return text, choice.finish_reason, usage.prompt_tokens, usage.completion_tokens
+    body: Any = line.response.body
+    is_chat = body.object == "chat.completion"
+    assert [c.index for c in body.choices] == list(range(len(body.choices)))
+    texts = tuple(c.message.content if is_chat else c.text for c in body.choices)
+    reasons = tuple(str(c.finish_reason) for c in body.choices)
+    logprobs = body.choices[0].logprobs
+    values: tuple[float, ...] | None = None
+    if logprobs is not None:
+        if is_chat:
+            values = tuple(entry.logprob for entry in logprobs.content)
+            assert all(len(entry.top_logprobs) == NUM_TOP_LOGPROBS for entry in logprobs.content)
+        else:
+            values = tuple(logprobs.token_logprobs)
+            assert all(len(top) <= NUM_TOP_LOGPROBS for top in logprobs.top_logprobs)
+    return texts, reasons, body.usage.prompt_tokens, body.usage.completion_tokens, values
 
 
 def assert_matches_reference(
@@ -124,7 +160,14 @@ def assert_matches_reference(
     assert len(ids) == len(set(ids)), "a custom_id has more than one line"
     assert set(ids) == {row["custom_id"] for row in rows}
     for line in lines:
-        assert outcome(line) == reference[line.custom_id], line.custom_id
+        got, expected = outcome(line), reference[line.custom_id]
+        assert got[:4] == expected[:4], line.custom_id
+        assert (got[4] is None) == (expected[4] is None), line.custom_id
+        if got[4] is not None and expected[4] is not None:
+            assert len(got[4]) == len(expected[4]), line.custom_id
+            assert all(abs(a - b) < LOGPROB_TOLERANCE for a, b in zip(got[4], expected[4], strict=True)), (
+                line.custom_id
+            )
         body = line.response.body  # type: ignore[union-attr]
         kind = next(row["url"] for row in rows if row["custom_id"] == line.custom_id)
         assert body.object == ("chat.completion" if kind == CHAT_URL else "text_completion")

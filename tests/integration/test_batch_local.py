@@ -193,13 +193,9 @@ def test_bad_rows_get_4xx_lines_and_the_others_run(model_dir, reference, tmp_pat
         "embeddings": (bad_row("embeddings", "/v1/embeddings"), 400, "invalid_url"),
         "stream": (bad_row("stream", stream=True), 400, "invalid_request_error"),
         "temperature": (bad_row("temperature", temperature=-1), 400, "invalid_request_error"),
-        "n": (bad_row("n", n=2), 400, "unsupported_parameter"),
-        "logprobs": (bad_row("logprobs", logprobs=True, top_logprobs=2), 400, "unsupported_parameter"),
-        "echo-logprobs": (
-            batch_row("echo-logprobs", COMPLETIONS_URL, {"prompt": "x", "echo": True, "logprobs": 1}),
-            400,
-            "unsupported_parameter",
-        ),
+        "n": (bad_row("n", n=0), 400, "invalid_request_error"),
+        "logprobs": (bad_row("logprobs", logprobs=True, top_logprobs=21), 400, "invalid_request_error"),
+        "top-logprobs-alone": (bad_row("top-logprobs-alone", top_logprobs=2), 400, "invalid_request_error"),
         "too-long": (
             batch_row("too-long", COMPLETIONS_URL, {"prompt": [40] * 1100, "max_tokens": 2}),
             400,
@@ -234,7 +230,7 @@ def test_bad_rows_get_4xx_lines_and_the_others_run(model_dir, reference, tmp_pat
         line = failed[custom_id]
         assert line.response.status_code == status and line.error.code == code, line
         assert line.response.body.error.message == line.error.message
-    assert "not supported yet" in failed["n"].error.message
+    assert "n must be an integer" in failed["n"].error.message
     assert "1100 tokens" in failed["too-long"].error.message
     # Without --errors, the same lines go to the output, with `error` set.
     single = tmp_path / "single.jsonl"
