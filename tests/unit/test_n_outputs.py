@@ -119,3 +119,48 @@ def test_child_seeds_differ_and_stay_in_64_bits() -> None:
 def test_n_bounds(bad) -> None:
     with pytest.raises(InvalidParamsError):
         SamplingParams(n=bad)
+
+
+@pytest.mark.timeout(60)
+def test_n_and_logprobs_through_a_worker_on_redis(tiny_llama) -> None:
+    """A job with n, logprobs and prompt_logprobs through Client, a worker and the real Redis:
+    the result lists every completion and their logprobs as the engine gives them offline."""
+    import redis as redis_lib
+
+    from qworker.worker.client import Client
+    from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
+    from qworker.worker.jobs import JobResult, JobStatus, logprobs_dict
+    from qworker.worker.loop import Worker
+    from qworker.worker.settings import WorkerSettings
+    from qworker.worker.testing import cleanup, redis_base_url, unique_url
+
+    url = unique_url(redis_base_url(), tag="n-logprobs")
+    params = {"n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 9, "ignore_eos": True}
+    params |= {"logprobs": 2, "prompt_logprobs": 1}
+    try:
+        client = Client(queue=url)
+        job_id = client.submit({"prompt_token_ids": PROMPT, "params": params})
+        engine = tiny_engine(tiny_llama, enable_prefix_caching=True)
+        Worker(engine, open_source(url, consumer="n"), open_sink(url), WorkerSettings(name="n")).run(
+            burst=True
+        )
+        result = client.result(job_id, timeout=10)
+    finally:
+        cleanup(redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url), url)
+    assert result.status is JobStatus.COMPLETED, result.error
+    # What a reader of the stored JSON gets.
+    result = JobResult.model_validate_json(result.model_dump_json())
+    offline = tiny_engine(tiny_llama, enable_prefix_caching=True)
+    offline.add_request("x", {"prompt_token_ids": PROMPT}, SamplingParams(**params))
+    expected = run_to_completion(offline)["x"]
+    assert result.outputs is not None and [o.index for o in result.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in result.outputs] == [c.token_ids for c in expected.outputs]
+    assert result.token_ids == expected.outputs[0].token_ids
+    assert result.usage.completion_tokens == 15
+    for got, want in zip(result.outputs, expected.outputs, strict=True):
+        assert got.logprobs is not None and [logprobs_dict(p) for p in got.logprobs] == want.logprobs
+        assert all(len(p.top_logprobs) == 2 for p in got.logprobs)
+    assert result.logprobs == result.outputs[0].logprobs
+    assert result.prompt_token_ids == PROMPT
+    assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
+    assert [logprobs_dict(p) for p in result.prompt_logprobs[1:]] == expected.prompt_logprobs[1:]
