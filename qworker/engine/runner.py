@@ -338,8 +338,8 @@ class ModelRunner:
         if raw_logits is not None:
             chosen = torch.tensor([token_ids[i] for i in logprob_rows], dtype=torch.int64, device=self.device)
             num_top = [rows[i].params.logprobs or 0 for i in logprob_rows]
-            for i, scored in zip(logprob_rows, compute_logprobs(raw_logits, chosen, num_top), strict=True):
-                output.logprobs[inputs.sampled_requests[i].request_id] = scored
+            for i, position in zip(logprob_rows, compute_logprobs(raw_logits, chosen, num_top), strict=True):
+                output.logprobs[inputs.sampled_requests[i].request_id] = position
         return output
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
