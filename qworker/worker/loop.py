@@ -223,7 +223,9 @@ class Worker:
         jobs = [
             HeldJobSize(
                 h.num_prompt_tokens,
-                h.job.params.max_tokens,
+                # n completions each grow to max_tokens (only completion 0's tokens are streamed
+                # and counted below, so this errs on the side of more blocks).
+                h.job.params.max_tokens * h.job.params.n,
                 h.num_output_tokens,
                 h.num_output_tokens > 0,
                 0 if h.num_output_tokens else self.engine.num_cached_prefix_tokens(h.job.id),
