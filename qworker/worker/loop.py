@@ -345,7 +345,12 @@ class Worker:
                     lease, job_id, job, "Expired", f"waited {waited:.1f}s in the queue; ttl_s is {job.ttl_s}"
                 )
                 return
-        if self.sink.cancelled_ids([job_id]):
+        if lease.expires_at is not None and now > lease.expires_at:
+            message = f"the message expired {now - lease.expires_at:.1f}s before it was taken"
+            error = JobError(type="Expired", message=message)
+            self._finish_without_engine(lease, job_id, job, JobStatus.CANCELLED, error)
+            return
+        if self.sink.cancelled_ids([job_id]) or self.source.revoked_ids([job_id]):
             self._finish_without_engine(lease, job_id, job, JobStatus.CANCELLED, None)
             return
         try:
@@ -375,7 +380,8 @@ class Worker:
         )
         num_prompt_tokens = len(prompt["prompt_token_ids"])
         self.admission.observe_prompt(num_prompt_tokens, self.engine.num_cached_prefix_tokens(job_id))
-        deadline = now + job.timeout_s if job.timeout_s is not None else None
+        limits = [t for t in (job.timeout_s, lease.time_limit_s) if t is not None]
+        deadline = now + min(limits) if limits else None
         self._held[job_id] = _HeldJob(job, lease, num_prompt_tokens, deadline)
 
     def _prompt(self, job: Job) -> dict[str, Any]:
@@ -597,13 +603,15 @@ class Worker:
     def _housekeeping(self) -> None:
         now = time.time()
         for held in [h for h in self._held.values() if h.deadline is not None and now >= h.deadline]:
-            message = f"job ran past its timeout_s of {held.job.timeout_s}s"
+            limit = min(t for t in (held.job.timeout_s, held.lease.time_limit_s) if t is not None)
+            message = f"job ran past its time limit of {limit}s"
             self._abort(held, JobStatus.TIMEOUT, JobError(type="Timeout", message=message))
         if not self.outage.may_try():
             return
         if self._held and self._due("cancel"):
             try:
-                cancelled = self.sink.cancelled_ids(list(self._held))
+                held_ids = list(self._held)
+                cancelled = self.sink.cancelled_ids(held_ids) | self.source.revoked_ids(held_ids)
             except Exception as exc:
                 self._on_broker_error(exc, "reading cancel flags")
                 return

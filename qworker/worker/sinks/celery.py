@@ -2,9 +2,10 @@
 
 - `celery-task-meta-{task_id}` holds the JSON meta Celery's RedisBackend writes: `status`,
   `result`, `traceback`, `children`, `date_done`, `task_id`. A completed job is SUCCESS with the
-  qworker result dict as `result`. A failed or timed-out job is FAILURE with an exception Celery
-  rebuilds by name (`exc_type` = the qworker error type, e.g. ValidationError; `exc_message` =
-  the message), so `.get()` raises it; a cancelled job is REVOKED. The whole qworker result is
+  qworker result dict as `result`. A timed-out job is FAILURE with Celery's TimeLimitExceeded. A
+  failed job is FAILURE with an exception Celery rebuilds by name (`exc_type` = the qworker
+  error type, e.g. ValidationError; `exc_message` = the message), so `.get()` raises it; a
+  cancelled job is REVOKED. The whole qworker result is
   also kept under `qworker_result` for readers that want it.
 - Written with `SET NX EX` (the first writer wins: one result per task id), then PUBLISHed on the
   key's channel, where Celery's result consumer listens.
@@ -51,6 +52,11 @@ def task_meta(result: JobResult) -> dict[str, Any]:
             "exc_message": ["cancelled"],
         }
         meta.update(status="REVOKED", result=exc)
+    elif result.status is JobStatus.TIMEOUT:
+        # What Celery stores for a task past its time_limit.
+        message = result.error.message if result.error else "timeout"
+        exc = {"exc_type": "TimeLimitExceeded", "exc_module": "celery.exceptions", "exc_message": [message]}
+        meta.update(status="FAILURE", result=exc)
     else:
         error_type = result.error.type if result.error else result.status.value.capitalize()
         message = result.error.message if result.error else result.status.value

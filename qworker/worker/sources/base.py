@@ -47,6 +47,12 @@ class Lease:
     # with pickle, an S3 payload pointer that cannot be read): the worker stores a failed result
     # and dead-letters the message with this reason. `body` is then empty.
     rejection: str | None = None
+    # When the message stops being worth running (Unix seconds; Celery's `expires`): taken later,
+    # the job is cancelled without running.
+    expires_at: float | None = None
+    # The longest the job may run once taken (seconds; Celery's `time_limit`): its deadline is
+    # the earlier of this and the job's own timeout_s.
+    time_limit_s: float | None = None
 
 
 class JobSource(abc.ABC):
@@ -86,6 +92,11 @@ class JobSource(abc.ABC):
     @abc.abstractmethod
     def dead_letter(self, lease: Lease, reason: str) -> None:
         """Move the message to the dead-letter queue with the reason, and ack it."""
+
+    def revoked_ids(self, job_ids: list[str]) -> set[str]:
+        """The jobs among `job_ids` revoked through the queue itself (Celery's revoke()); the
+        worker cancels them as it does on a cancel flag."""
+        return set()
 
     def num_pending(self) -> int | None:
         """Messages this consumer holds, as the queue sees them (for stats); None if unknown."""

@@ -15,6 +15,20 @@ in Celery's Redis result-backend format (sinks/celery.py), so `AsyncResult(task_
   the reason go to the list `{queue}.dead`, then the message is acked.
 - delivery count: kombu keeps none; a hash `{queue}.deliveries` counts leases per task id.
 
+Celery's own controls, read from the message headers and the control broadcast:
+- `expires` (header, ISO 8601): a task taken after it gets a cancelled result (REVOKED) unrun.
+- `eta` / `countdown` (header `eta`): the message is leased but held back here, its lease
+  extended, until its time; it does not count against the worker's backlog, so other jobs run.
+- `time_limit` / `soft_time_limit` (header `timelimit` = [hard, soft]): the job's deadline is
+  the hard limit, else the soft one; a job that runs past it ends with a timeout result
+  (FAILURE, TimeLimitExceeded). A soft limit is not a separate warning here.
+- `revoke()`: Celery broadcasts it on the `celery.pidbox` fanout exchange, which kombu's Redis
+  transport PUBLISHes on a channel ending in `celery.pidbox`. The source subscribes to that
+  pattern and remembers revoked task ids (at most REVOKED_MAX, for REVOKED_TTL_S); the worker
+  cancels a revoked job, queued or running, at its next cancel check. A revoke broadcast while no
+  worker listens is missed, as it is by Celery's workers that start later (Celery's workers
+  catch up through their peers; qworker's do not).
+
 Security: the body is deserialized only when the content type is `application/json` (utf-8, no
 compression). A message serialized with pickle (or yaml, msgpack, anything else) is never
 decoded: it is dead-lettered with the reason, and its task gets a FAILURE result. Nobody who can
@@ -52,6 +66,11 @@ ACCEPTED_CONTENT_TYPE = "application/json"
 DEAD_LETTER_MAXLEN = 100_000
 DELIVERY_COUNT_TTL_S = 7 * 24 * 3600
 RESTORE_INTERVAL_S = 1.0
+# Revoked task ids remembered, as Celery's workers do (celery.worker.state REVOKES_MAX and
+# REVOKE_EXPIRES).
+REVOKED_MAX = 50_000
+REVOKED_TTL_S = 10_800
+PIDBOX_PATTERN = "*celery.pidbox*"
 
 # KEYS[1] unacked hash, KEYS[2] unacked index; ARGV[1] now, ARGV[2..] delivery tags.
 # Returns the tags no longer held (restored by a peer after our lease expired).
@@ -104,6 +123,15 @@ class CelerySource(JobSource):
         self._extend_script = self.redis.register_script(_EXTEND_LUA)
         self._last_restore = 0.0
         self._messages: dict[str, Any] = {}
+        # delivery tag -> eta (Unix seconds) of a message just taken, for _defer.
+        self._etas: dict[str, float] = {}
+        # Leased messages whose eta is still ahead: (eta, lease), and when they were last extended.
+        self._deferred: list[tuple[float, Lease]] = []
+        self._deferred_extended_at = time.monotonic()
+        # task id -> when its revoke was heard (monotonic), oldest first.
+        self._revoked: dict[str, float] = {}
+        self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.psubscribe(PIDBOX_PATTERN)
 
     # -- lease -------------------------------------------------------------------------------
 
@@ -117,17 +145,38 @@ class CelerySource(JobSource):
         if time.monotonic() - self._last_restore >= RESTORE_INTERVAL_S:
             self._restore_expired()
         deadline = time.monotonic() + block_s
-        leases: list[Lease] = []
+        leases: list[Lease] = self._due_deferred(max_count)
         while len(leases) < max_count:
             lease = self._get_one()
             if lease is not None:
-                leases.append(lease)
+                if not self._defer(lease):
+                    leases.append(lease)
                 continue
             if leases or time.monotonic() >= deadline:
                 break
             self._restore_expired()
             time.sleep(0.02)
         return leases
+
+    def _defer(self, lease: Lease) -> bool:
+        """Hold back a message whose eta is ahead; True when it was."""
+        eta = self._etas.pop(lease.message_id, None)
+        if eta is None or eta <= time.time():
+            return False
+        self._deferred.append((eta, lease))
+        self._deferred.sort(key=lambda item: item[0])
+        return True
+
+    def _due_deferred(self, max_count: int) -> list[Lease]:
+        """Deferred messages whose eta has come (earliest first); the others' leases extended."""
+        now = time.time()
+        due = [lease for eta, lease in self._deferred if eta <= now][:max_count]
+        self._deferred = [(eta, lease) for eta, lease in self._deferred if lease not in due]
+        if self._deferred and time.monotonic() - self._deferred_extended_at >= self.lease_timeout_s / 3:
+            self._deferred_extended_at = time.monotonic()
+            lost = {id(le) for le in self.extend([lease for _, lease in self._deferred])}
+            self._deferred = [(eta, le) for eta, le in self._deferred if id(le) not in lost]
+        return due
 
     def _get_one(self) -> Lease | None:
         from kombu.transport.virtual import Empty
@@ -170,6 +219,10 @@ class CelerySource(JobSource):
         body = b""
         if rejection is None:
             body, rejection = self._job_body(message.body)
+        eta = _header_time(headers.get("eta"))
+        if eta is not None and rejection is None:
+            self._etas[tag] = eta
+        hard, soft = _time_limits(headers.get("timelimit"))
         return Lease(
             message_id=tag,
             body=body,
@@ -178,6 +231,8 @@ class CelerySource(JobSource):
             enqueued_at=None,
             handle=tag,
             rejection=rejection,
+            expires_at=_header_time(headers.get("expires")),
+            time_limit_s=hard if hard is not None else soft,
         )
 
     @staticmethod
@@ -248,11 +303,81 @@ class CelerySource(JobSource):
     def num_pending(self) -> int | None:
         return len(self._messages)
 
+    def revoked_ids(self, job_ids: list[str]) -> set[str]:
+        self._hear_revokes()
+        return {job_id for job_id in job_ids if job_id in self._revoked}
+
+    def _hear_revokes(self) -> None:
+        while True:
+            message = self._pubsub.get_message(timeout=0)
+            if message is None:
+                break
+            for task_id in _revoked_task_ids(message.get("data")):
+                self._revoked.pop(task_id, None)
+                self._revoked[task_id] = time.monotonic()
+        cutoff = time.monotonic() - REVOKED_TTL_S
+        while self._revoked:
+            oldest, heard_at = next(iter(self._revoked.items()))
+            if heard_at >= cutoff and len(self._revoked) <= REVOKED_MAX:
+                break
+            del self._revoked[oldest]
+
     def close(self) -> None:
+        # Messages held back for their eta go back to the queue for whoever serves it next.
+        for _, lease in self._deferred:
+            self.release([lease])
+        self._deferred = []
+        self._pubsub.close()
         try:
             self.channel.close()
         finally:
             self.connection.release()
+
+
+def _header_time(value: Any) -> float | None:
+    """Unix seconds of a Celery `eta`/`expires` header (ISO 8601; naive means UTC), or None."""
+    from datetime import UTC, datetime
+
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        logger.warning("ignoring a header time that is not ISO 8601: %r", value[:64])
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _time_limits(value: Any) -> tuple[float | None, float | None]:
+    """(hard, soft) seconds from Celery's `timelimit` header [hard, soft]."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None, None
+    hard, soft = (float(v) if isinstance(v, (int, float)) and v > 0 else None for v in value)
+    return hard, soft
+
+
+def _revoked_task_ids(data: Any) -> list[str]:
+    """The task ids of a pidbox broadcast when it is a revoke (kombu's envelope around Celery's
+    {"method": "revoke", "arguments": {"task_id": id or [ids]}}); [] for anything else."""
+    import base64
+
+    try:
+        envelope = json.loads(data)
+        body = envelope["body"]
+        if (envelope.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        if envelope.get("content-type") != ACCEPTED_CONTENT_TYPE:
+            return []  # never deserialize anything else
+        command = json.loads(body)
+    except (ValueError, KeyError, TypeError):
+        return []
+    if not isinstance(command, dict) or command.get("method") != "revoke":
+        return []
+    task_ids = (command.get("arguments") or {}).get("task_id")
+    task_ids = [task_ids] if isinstance(task_ids, str) else task_ids
+    return [t for t in task_ids or [] if isinstance(t, str)]
 
 
 class CeleryProducer(JobProducer):
