@@ -431,7 +431,7 @@ def dlq_list(
 ) -> None:
     """Dead letters, oldest first: id, job id, attempts, age, reason."""
     with dead_letters(queue) as dlq:
-        letters = dlq.list(limit)
+        letters = dlq.read(limit)
     for letter in letters:
         if as_json:
             typer.echo(json.dumps({k: v for k, v in letter.as_dict().items() if k != "body"}))
@@ -490,7 +490,7 @@ def dlq_purge(
     """Remove every dead letter."""
     with dead_letters(queue) as dlq:
         if not yes:
-            count = len(dlq.list())
+            count = len(dlq.read())
             typer.confirm(f"remove {count} dead letters?", abort=True)
         removed = dlq.purge()
     typer.echo(f"removed {removed} dead letters")

@@ -82,11 +82,11 @@ class DeadLetterQueue(abc.ABC):
     """The dead letters of one job queue."""
 
     @abc.abstractmethod
-    def list(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
+    def read(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
         """Dead letters, oldest first."""
 
     def show(self, dead_letter_id: str) -> DeadLetter | None:
-        return next((d for d in self.list() if d.id == dead_letter_id), None)
+        return next((d for d in self.read() if d.id == dead_letter_id), None)
 
     @abc.abstractmethod
     def replay(self, dead_letter_ids: Iterable[str] | None, results: ResultSink | None) -> list[DeadLetter]:
@@ -167,7 +167,7 @@ class RedisStreamDeadLetters(DeadLetterQueue):
             body=body if isinstance(body, bytes) else str(body).encode(),
         )
 
-    def list(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
+    def read(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
         entries = self.redis.xrange(self.dead_letter_stream, count=limit)
         return [self._dead_letter(entry_id, fields) for entry_id, fields in entries]
 
@@ -182,7 +182,7 @@ class RedisStreamDeadLetters(DeadLetterQueue):
 
     def replay(self, dead_letter_ids: Iterable[str] | None, results: ResultSink | None) -> list[DeadLetter]:
         if dead_letter_ids is None:
-            letters = self.list()
+            letters = self.read()
         else:
             letters = [d for d in (self.show(i) for i in dead_letter_ids) if d is not None]
         for letter in letters:
@@ -310,7 +310,7 @@ class SqsDeadLetters(DeadLetterQueue):
             body=message["Body"].encode(),
         )
 
-    def list(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
+    def read(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
         messages = self._receive_all(limit)
         self._give_back(messages)
         return [self._dead_letter(m) for m in messages]
@@ -395,7 +395,7 @@ class CeleryDeadLetters(DeadLetterQueue):
             body=body,
         )
 
-    def list(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
+    def read(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
         return [self._dead_letter(i, record) for i, (_, record) in enumerate(self._records(limit))]
 
     def replay(self, dead_letter_ids: Iterable[str] | None, results: ResultSink | None) -> list[DeadLetter]:

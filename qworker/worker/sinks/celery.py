@@ -45,6 +45,7 @@ def task_meta(result: JobResult) -> dict[str, Any]:
     if result.status is JobStatus.COMPLETED:
         meta.update(status="SUCCESS", result=as_dict)
         return meta
+    exc: dict[str, Any]
     if result.status is JobStatus.CANCELLED:
         exc = {
             "exc_type": "TaskRevokedError",
