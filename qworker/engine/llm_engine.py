@@ -268,9 +268,18 @@ class LLMEngine:
         return request_id
 
     def _release_children(self, parent: _ParentState) -> None:
+        # The others queue in completion 0's place, not behind requests that came after it.
+        first = self._states.get(parent.child_ids[0])
+        arrival_index = first.request.arrival_index if first is not None else None
         for child_id, child_params in parent.pending:
             self._enqueue(
-                child_id, parent.prompt, parent.token_ids, child_params, parent.priority, parent.arrival_time
+                child_id,
+                parent.prompt,
+                parent.token_ids,
+                child_params,
+                parent.priority,
+                parent.arrival_time,
+                arrival_index,
             )
         parent.pending = []
 
@@ -282,6 +291,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int,
         arrival_time: float,
+        arrival_index: int | None = None,
     ) -> None:
         request = Request(request_id, token_ids, params, priority=priority)
         detokenizer = None
@@ -294,7 +304,7 @@ class LLMEngine:
                 params.skip_special_tokens,
             )
         self._states[request_id] = _RequestState(request, text, detokenizer, RequestMetrics(arrival_time))
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, arrival_index)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a queued or running request now and free its blocks. Returns its partial output."""

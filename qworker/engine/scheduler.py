@@ -81,10 +81,14 @@ class Scheduler:
         priority = request.priority if self.policy is SchedulingPolicy.PRIORITY else 0
         return (priority, request.arrival_index)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, arrival_index: int | None = None) -> None:
+        """Queue a request. `arrival_index` places it as if it had arrived then (a completion of
+        an n > 1 request queued after its first one keeps that one's place); else it is last."""
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
-        request.arrival_index = self._next_arrival_index
-        self._next_arrival_index += 1
+        if arrival_index is None:
+            arrival_index = self._next_arrival_index
+            self._next_arrival_index += 1
+        request.arrival_index = arrival_index
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         heapq.heappush(self._waiting, (self._sort_key(request), request.request_id))

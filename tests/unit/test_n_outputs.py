@@ -164,3 +164,15 @@ def test_n_and_logprobs_through_a_worker_on_redis(tiny_llama) -> None:
     assert result.prompt_token_ids == PROMPT
     assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
     assert [logprobs_dict(p) for p in result.prompt_logprobs[1:]] == expected.prompt_logprobs[1:]
+
+
+def test_later_completions_keep_the_first_ones_place_in_the_queue(tiny_llama) -> None:
+    """One sequence at a time: completion 1 of p is queued after p's prefill, yet runs before q,
+    which arrived after p."""
+    engine = tiny_engine(tiny_llama, enable_prefix_caching=True, max_num_seqs=1)
+    engine.add_request("p", {"prompt_token_ids": PROMPT}, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    engine.add_request("q", {"prompt_token_ids": PROMPT[:5]}, SamplingParams(max_tokens=3, ignore_eos=True))
+    order = []
+    while engine.has_unfinished_requests():
+        order.extend(o.request_id for o in engine.step() if o.finished)
+    assert order == ["p", "q"]
