@@ -93,26 +93,37 @@ class Soak:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def start_worker(self, slot: Slot) -> None:
+    def spawn(self, slot: Slot) -> subprocess.Popen:
+        """A new process for `slot`, once it is ready (seconds: the model loads). Not under the
+        lock, so that memory sampling and chaos go on meanwhile."""
         slot.generation += 1
         name = f"{slot.name}-{slot.generation}"
         args = ("--lease-timeout-s", str(self.args.lease_timeout_s), "--drain-grace-s", "5")
-        slot.process = spawn_worker(self.url, self.model_dir, name, *args, log_path=self.out / f"{name}.log")
-        slot.started_at[slot.process.pid] = self.now()
+        process = spawn_worker(self.url, self.model_dir, name, *args, log_path=self.out / f"{name}.log")
+        slot.started_at[process.pid] = self.now()
+        return process
+
+    def start_worker(self, slot: Slot) -> None:
+        process = self.spawn(slot)
+        with self.lock:
+            if self.stop.is_set():
+                process.kill()
+                process.wait()
+                return
+            slot.process = process
 
     def restart_later(self, slot: Slot, delay_s: float) -> None:
         def later() -> None:
             time.sleep(delay_s)
             for _ in range(10):
-                with self.lock:
-                    if self.stop.is_set():
-                        return
-                    try:
-                        self.start_worker(slot)
-                    except RuntimeError as exc:  # Redis away at its first contact: try again
-                        self.log(f"{slot.name} did not start ({str(exc).splitlines()[0]}); retrying")
-                        time.sleep(2)
-                        continue
+                if self.stop.is_set():
+                    return
+                try:
+                    self.start_worker(slot)
+                except RuntimeError as exc:  # Redis away at its first contact: try again
+                    self.log(f"{slot.name} did not start ({str(exc).splitlines()[0]}); retrying")
+                    time.sleep(2)
+                    continue
                 self.log(f"{slot.name} restarted")
                 return
 
@@ -313,18 +324,22 @@ class Soak:
 
         fig, ax = plt.subplots(figsize=(10, 5))
         for slot in self.slots:
-            if slot.samples:
+            pids = list(dict.fromkeys(pid for _, pid, _ in slot.samples))
+            for n, pid in enumerate(pids):
+                series = [(t, m) for t, p, m in slot.samples if p == pid]
                 ax.plot(
-                    [t for t, _, _ in slot.samples],
-                    [m / MIB for _, _, m in slot.samples],
+                    [t for t, _ in series],
+                    [m / MIB for _, m in series],
                     ".-",
-                    label=f"{slot.name} RSS",
+                    color=f"C{self.slots.index(slot)}",
+                    label=f"{slot.name} RSS" if n == 0 else None,
                 )
         if self.redis_samples:
             ax.plot(
                 [t for t, _ in self.redis_samples],
                 [m / MIB for _, m in self.redis_samples],
                 ".-",
+                color="C3",
                 label="redis used_memory",
             )
         for t, text in self.events:

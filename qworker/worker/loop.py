@@ -275,7 +275,7 @@ class Worker:
         try:
             self._take(lease)
         except Exception as exc:
-            if is_transient(exc):
+            if is_transient(exc) or isinstance(exc, BrokerOutageError):
                 raise  # the broker is away, not this message at fault: taken again later
             reason = f"internal error while taking the job: {type(exc).__name__}: {exc}"
             logger.error("message %s: %s", lease.message_id, reason)
