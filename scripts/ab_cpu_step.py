@@ -4,14 +4,16 @@ speed-ups switched off:
 
   --a torch-ops   the model's elementwise ops in plain torch instead of the C kernels
   --a unpacked    F.linear instead of the packed oneDNN weights
-  (both, comma-separated, is the engine before either)
+  --a sdpa        prefill attention through torch's SDPA, a sequence at a time, instead of the
+                  C kernel
+  (all, comma-separated, is the engine before them)
 
 Both engines get `offline-mixed`'s requests (or --num-requests of them) all at once and run
 --steps steps each (prefill steps first, then decode steps). It prints the median time of each
 kind of step for A and B, and the ratio A / B (above 1: B is faster), and how many of the steps'
 sampled tokens were equal.
 
-    .venv/bin/python scripts/ab_cpu_step.py --a torch-ops,unpacked --steps 60
+    .venv/bin/python scripts/ab_cpu_step.py --a torch-ops,unpacked,sdpa --steps 60
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from qworker.engine.llm_engine import LLMEngine
 from qworker.model.linear import Linear
 from qworker.model.ops import TORCH_OPS
 
-SWITCHES = ("torch-ops", "unpacked")
+SWITCHES = ("torch-ops", "unpacked", "sdpa")
 
 
 def switch_off(engine: LLMEngine, switches: list[str]) -> None:
@@ -41,11 +43,13 @@ def switch_off(engine: LLMEngine, switches: list[str]) -> None:
             module.packed.enabled = False
     if "unpacked" in switches:
         model.lm_head_packed.enabled = False
+    if "sdpa" in switches:
+        engine.runner.backend._prefill_kernel = None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--a", default="torch-ops,unpacked", help=f"what A switches off: {SWITCHES}")
+    parser.add_argument("--a", default=",".join(SWITCHES), help=f"what A switches off: {SWITCHES}")
     parser.add_argument("--workload", default="offline-mixed")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--dtype", default="auto")

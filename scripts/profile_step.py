@@ -21,6 +21,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ CATEGORIES = (
     "lm_head",
     "attention: kv write",
     "attention: decode kernel",
-    "attention: prefill sdpa",
+    "attention: prefill",
     "norm",
     "rotary",
     "activation",
@@ -93,8 +94,14 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
         "attention: kv write", attention_module.write_kv_cache_torch
     )
     attention_module._prefill_attention = timers.wrap(
-        "attention: prefill sdpa", attention_module._prefill_attention
+        "attention: prefill", attention_module._prefill_attention
     )
+    prefill_kernel = getattr(backend, "_prefill_kernel", None)
+    if prefill_kernel is not None:
+        backend._prefill_kernel = SimpleNamespace(
+            supports=prefill_kernel.supports,
+            paged_prefill_attention=timers.wrap("attention: prefill", prefill_kernel.paged_prefill_attention),
+        )
     runner.sampler.sample = timers.wrap("sampling", runner.sampler.sample)
     runner.prepare_inputs = timers.wrap("prepare inputs", runner.prepare_inputs)
     engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)

@@ -68,10 +68,12 @@ def write_kv_cache_torch(
 
 
 class TorchAttentionBackend:
-    """CPU/any-device attention in plain torch that reads K/V through the block tables.
+    """CPU/any-device attention that reads K/V through the block tables.
 
-    Decodes run batched (a compiled CPU kernel when available); prefill chunks run one sequence
-    at a time through SDPA, which is compute-bound anyway.
+    On the CPU, compiled kernels (when they build): decodes in one batched call, and every prefill
+    chunk of the step in one more, both reading K/V in place. Elsewhere, or without a C compiler,
+    decodes gather a few sequences at a time and prefill chunks run one sequence at a time through
+    SDPA.
     """
 
     name = "torch"
@@ -80,6 +82,7 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._decode_kernel = _load_cpu_decode_kernel()
+        self._prefill_kernel = _load_cpu_prefill_kernel()
 
     def forward(
         self,
@@ -104,6 +107,17 @@ class TorchAttentionBackend:
                 paged_decode_attention_torch(
                     decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes]
                 )
+        num_seqs = len(meta.seq_lens_list)
+        if (
+            num_seqs > num_decodes
+            and self._prefill_kernel is not None
+            and self._prefill_kernel.supports(q, k_cache)
+        ):
+            self._prefill_kernel.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                num_decodes, num_seqs, scale, out,
+            )  # fmt: skip
+            return out
         num_kv_heads, head_dim = k_cache.shape[-2:]
         token_start = num_decodes
         block_size = meta.block_size
@@ -151,6 +165,16 @@ def _load_cpu_decode_kernel():  # type: ignore[no-untyped-def]
     if not cpu_paged_attention.is_available():
         return None
     return cpu_paged_attention.paged_decode_attention
+
+
+def _load_cpu_prefill_kernel():  # type: ignore[no-untyped-def]
+    if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
+        return None
+    try:
+        from qworker_kernels import cpu_prefill_attention
+    except ImportError:
+        return None
+    return cpu_prefill_attention if cpu_prefill_attention.is_available() else None
 
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:

@@ -1,0 +1,395 @@
+// Paged prefill attention for the CPU: causal attention of each prefill chunk's queries over its
+// sequence's whole context, K/V read through the block table (the chunk's own K/V are already
+// written there), online softmax, fp32 accumulation. One call serves every prefill chunk of a step.
+//
+// Built at first use by cpu_prefill_attention.py with `gcc -O3 -march=native -fopenmp` and called
+// through ctypes. Vector code uses GCC vector extensions at 16 floats (one AVX-512 register; GCC
+// splits it in two on AVX2), not intrinsics, so one source builds for any x86-64 target.
+//
+// Layouts (all contiguous, element offsets):
+//   q, out:          [num_tokens, num_heads, head_dim]; sequence s owns rows query_start[s] ..
+//                    query_start[s + 1] - 1, the last positions of its context
+//   k, v:            [num_blocks, block_size, num_kv_heads, head_dim]
+//   block_tables:    [num_seqs, max_blocks] int32
+//   seq_lens:        [num_seqs] int32, context length including the chunk
+//   query_start:     [num_seqs + 1] int32
+//
+// Two phases per call. First each sequence's K is copied for each KV head into fp32 and transposed
+// ([D, L]) and V into fp32 ([L, D]), once, shared by every query head of the group and every query
+// tile. Then work units, (sequence, query head, tile of QT queries), longest context first, are
+// claimed by the threads. A unit walks the keys its tile may see in blocks of KB: scores of QT
+// queries x KB keys from the transposed K (each K value loaded feeds 4 query rows), the causal mask
+// on blocks that cross the diagonal, the online-softmax update, then P.V into the QT x D
+// accumulators (each V value loaded feeds 4 rows).
+//
+// Measured on the 2-core AVX-512 EPYC (Zen 4) under load, one thread, SmolLM2 shapes (9 heads,
+// 3 KV heads, head_dim 64), bf16, against torch's SDPA (flash CPU kernel, enable_gqa) on the same
+// chunk: see docs/BENCHMARKS.md.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define QT 16  // queries per tile
+#define KB 64  // keys per block (four vectors)
+#define MAX_HEAD_DIM 256
+
+enum {
+    QW_OK = 0,
+    QW_BAD_SEQ_LEN = 1,
+    QW_BAD_BLOCK_ID = 2,
+    QW_BAD_SHAPE = 3,
+    QW_NO_MEMORY = 4,
+};
+
+static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16f loadu(const float *p) {
+    v16f r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+static inline void storeu(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline v16f vmax(v16f a, v16f b) {
+    v16i m = a > b;
+    return (v16f)(((v16i)a & m) | ((v16i)b & ~m));
+}
+
+// Horizontal max and sum by halving: lanes i and i + w combined, w = 8, 4, 2, 1.
+static inline float hmax(v16f x) {
+    const v16i h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const v16i h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const v16i h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const v16i h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    x = vmax(x, __builtin_shuffle(x, h8));
+    x = vmax(x, __builtin_shuffle(x, h4));
+    x = vmax(x, __builtin_shuffle(x, h2));
+    x = vmax(x, __builtin_shuffle(x, h1));
+    return x[0];
+}
+
+static inline float hsum(v16f x) {
+    const v16i h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const v16i h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const v16i h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const v16i h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    x += __builtin_shuffle(x, h8);
+    x += __builtin_shuffle(x, h4);
+    x += __builtin_shuffle(x, h2);
+    x += __builtin_shuffle(x, h1);
+    return x[0];
+}
+
+// exp(x) for x <= 0 (score - running max); Cephes expf polynomial after Cody-Waite range
+// reduction, about 2 ulp. -inf (a masked score) gives exactly 0.
+static inline v16f vexp_nonpos(v16f x) {
+    const v16i masked = x < splat(-1e30f);
+    const v16f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+    x = vmax(x, splat(-87.0f));
+    v16f t = x * splat(1.44269504088896341f) + magic;
+    v16i n = (v16i)t - (v16i)magic;
+    v16f r = t - magic;
+    v16f f = x - r * splat(0.693359375f);
+    f = f - r * splat(-2.12194440e-4f);
+    v16f p = splat(1.9875691500e-4f);
+    p = p * f + splat(1.3981999507e-3f);
+    p = p * f + splat(8.3334519073e-3f);
+    p = p * f + splat(4.1665795894e-2f);
+    p = p * f + splat(1.6666665459e-1f);
+    p = p * f + splat(5.0000001201e-1f);
+    p = p * f * f + f + splat(1.0f);
+    v16i pow2n = (n + 127) << 23;
+    return (v16f)((v16i)(p * (v16f)pow2n) & ~masked);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+// Round to nearest even, as torch does; NaN stays NaN.
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u);
+    w += 0x7fffu + ((w >> 16) & 1u);
+    return (uint16_t)(w >> 16);
+}
+
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *block_tables, *seq_lens, *query_start;
+    void *out;
+    int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks;
+    float scale;
+    int is_bf16;
+} Params;
+
+typedef struct {
+    int32_t seq, head, first;  // the tile's first query, within the sequence's chunk
+    int32_t cost;              // keys it sees: the sort key
+} Unit;
+
+// Per sequence: its fp32 K^T and V for every KV head (Lp: the context rounded up to KB keys, Dp:
+// head_dim rounded up to 64; the padding is zero).
+typedef struct {
+    float *kt;  // [KVH, D, Lp]
+    float *v;   // [KVH, Lp, Dp]
+    int64_t padded_len;
+} SeqKV;
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Copies tokens [t0, t1) of sequence s into its fp32 K^T and V; 0, or QW_BAD_BLOCK_ID.
+static int convert_kv(const Params *p, int64_t s, const SeqKV *kv, int64_t Dp, int64_t t0, int64_t t1) {
+    const int64_t KV = p->num_kv_heads, D = p->head_dim, BS = p->block_size, Lp = kv->padded_len;
+    const int32_t *table = p->block_tables + s * p->max_blocks;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t block = table[t / BS];
+        if (block < 0 || block >= p->num_blocks) return QW_BAD_BLOCK_ID;
+        const int64_t base = ((block * BS + t % BS) * KV) * D;
+        for (int64_t h = 0; h < KV; h++) {
+            float *kt = kv->kt + h * D * Lp + t, *vr = kv->v + (h * Lp + t) * Dp;
+            if (p->is_bf16) {
+                const uint16_t *kr = (const uint16_t *)p->k + base + h * D, *vs = (const uint16_t *)p->v + base + h * D;
+                for (int64_t d = 0; d < D; d++) {
+                    kt[d * Lp] = bf16_to_f32(kr[d]);
+                    vr[d] = bf16_to_f32(vs[d]);
+                }
+            } else {
+                const float *kr = (const float *)p->k + base + h * D, *vs = (const float *)p->v + base + h * D;
+                for (int64_t d = 0; d < D; d++) kt[d * Lp] = kr[d];
+                memcpy(vr, vs, (size_t)D * sizeof(float));
+            }
+        }
+    }
+    return QW_OK;
+}
+
+// Scores of 4 query rows (q: [4, D] scaled, rows q_stride apart) against keys [j0, j0 + KB) of kt
+// ([D, Lp]): 16 accumulators, each K vector loaded feeds 4 rows.
+static inline void scores4(const float *q, int64_t q_stride, const float *kt, int64_t Lp, int64_t j0, int64_t D,
+                           float *s) {
+    v16f acc[4][KB / 16];
+    for (int r = 0; r < 4; r++)
+        for (int x = 0; x < KB / 16; x++) acc[r][x] = splat(0);
+    for (int64_t d = 0; d < D; d++) {
+        const float *row = kt + d * Lp + j0;
+        v16f k[KB / 16];
+        for (int x = 0; x < KB / 16; x++) k[x] = loadu(row + 16 * x);
+        for (int r = 0; r < 4; r++) {
+            const v16f qr = splat(q[r * q_stride + d]);
+            for (int x = 0; x < KB / 16; x++) acc[r][x] += qr * k[x];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int x = 0; x < KB / 16; x++) storeu(s + r * KB + 16 * x, acc[r][x]);
+}
+
+// acc[4, D] = acc * alpha[r] + p[4, KB] . v[j0 .. j0 + kb, D], 64 columns at a time (D: a multiple
+// of 64, the row stride of acc and v).
+static inline void pv4(float *acc, const float *alpha, const float *p, const float *v, int64_t j0, int64_t kb,
+                       int64_t D) {
+    for (int64_t c = 0; c < D; c += 64) {
+        v16f o[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int x = 0; x < 4; x++) o[r][x] = loadu(acc + r * D + c + 16 * x) * splat(alpha[r]);
+        for (int64_t j = 0; j < kb; j++) {
+            const float *vr = v + (j0 + j) * D + c;
+            const v16f v0 = loadu(vr), v1 = loadu(vr + 16), v2 = loadu(vr + 32), v3 = loadu(vr + 48);
+            for (int r = 0; r < 4; r++) {
+                const v16f w = splat(p[r * KB + j]);
+                o[r][0] += w * v0;
+                o[r][1] += w * v1;
+                o[r][2] += w * v2;
+                o[r][3] += w * v3;
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int x = 0; x < 4; x++) storeu(acc + r * D + c + 16 * x, o[r][x]);
+    }
+}
+
+// Per-thread working memory (D a multiple of 64 after padding: see head_dim_padded).
+typedef struct {
+    float *q, *acc;   // [QT, Dp]
+    float *s;         // [QT, KB] scores, then probabilities
+    float m[QT], l[QT], alpha[QT];
+} Scratch;
+
+static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp, Scratch *w) {
+    const int64_t H = p->num_heads, D = p->head_dim, G = H / p->num_kv_heads;
+    const int64_t s = u->seq, h = u->head, kvh = h / G;
+    const int64_t n = p->query_start[s + 1] - p->query_start[s], L = p->seq_lens[s];
+    const int64_t first = u->first, rows = n - first < QT ? n - first : QT;
+    const int64_t Lp = kv->padded_len;
+    const float *kt = kv->kt + kvh * D * Lp, *vf = kv->v + kvh * Lp * Dp;
+    // Rows past the chunk's end repeat its last query: computed and never stored.
+    for (int64_t r = 0; r < QT; r++) {
+        const int64_t i = first + (r < rows ? r : rows - 1);
+        const int64_t off = ((p->query_start[s] + i) * H + h) * D;
+        for (int64_t d = 0; d < D; d++) {
+            const float x = p->is_bf16 ? bf16_to_f32(((const uint16_t *)p->q)[off + d]) : ((const float *)p->q)[off + d];
+            w->q[r * Dp + d] = x * p->scale;
+        }
+        for (int64_t d = D; d < Dp; d++) w->q[r * Dp + d] = 0.0f;
+        memset(w->acc + r * Dp, 0, (size_t)Dp * sizeof(float));
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    // Query i (within the chunk) is at position L - n + i and sees keys 0 .. L - n + i.
+    const int64_t pos0 = L - n + first, key_end = pos0 + rows;
+    for (int64_t j0 = 0; j0 < key_end; j0 += KB) {
+        const int64_t kb = key_end - j0 < KB ? key_end - j0 : KB;
+        for (int64_t r = 0; r < QT; r += 4) scores4(w->q + r * Dp, Dp, kt, Lp, j0, D, w->s + r * KB);
+        for (int64_t r = 0; r < QT; r++) {
+            float *sr = w->s + r * KB;
+            const int64_t pos = pos0 + (r < rows ? r : rows - 1);
+            // Keys past the query's position (and past the block's end) are masked.
+            const int64_t visible = pos - j0 + 1 < kb ? pos - j0 + 1 : kb;
+            for (int64_t c = visible < 0 ? 0 : visible; c < KB; c++) sr[c] = -INFINITY;
+            v16f x[KB / 16], mx = loadu(sr);
+            for (int c = 0; c < KB / 16; c++) {
+                x[c] = loadu(sr + 16 * c);
+                mx = vmax(mx, x[c]);
+            }
+            const float block_max = hmax(mx);
+            const float m_new = block_max > w->m[r] ? block_max : w->m[r];
+            if (m_new == -INFINITY) {  // nothing visible yet (cannot happen: key 0 is in block 0)
+                w->alpha[r] = 1.0f;
+                memset(sr, 0, KB * sizeof(float));
+                continue;
+            }
+            v16f sum = splat(0);
+            for (int c = 0; c < KB / 16; c++) {
+                const v16f pc = vexp_nonpos(x[c] - splat(m_new));
+                sum += pc;
+                storeu(sr + 16 * c, pc);
+            }
+            w->alpha[r] = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
+            w->l[r] = w->l[r] * w->alpha[r] + hsum(sum);
+            w->m[r] = m_new;
+        }
+        for (int64_t r = 0; r < QT; r += 4) pv4(w->acc + r * Dp, w->alpha + r, w->s + r * KB, vf, j0, kb, Dp);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t off = ((p->query_start[s] + first + r) * H + h) * D;
+        const float inv = 1.0f / w->l[r];
+        const float *a = w->acc + r * Dp;
+        if (p->is_bf16) {
+            uint16_t *o = (uint16_t *)p->out + off;
+            for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(a[d] * inv);
+        } else {
+            float *o = (float *)p->out + off;
+            for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv;
+        }
+    }
+}
+
+static int by_cost_desc(const void *a, const void *b) {
+    const Unit *x = a, *y = b;
+    return (x->cost < y->cost) - (x->cost > y->cost);
+}
+
+// Entry point (ctypes): sequences [seq_begin, seq_end) of the tables. head_dim a multiple of 16 up to
+// MAX_HEAD_DIM; num_heads a multiple of num_kv_heads. Returns QW_OK or an error code.
+int qw_paged_prefill_attention(const void *q, const void *k, const void *v, const int32_t *block_tables,
+                               const int32_t *seq_lens, const int32_t *query_start, void *out, int64_t seq_begin,
+                               int64_t seq_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, int64_t max_blocks, int64_t num_blocks, float scale, int is_bf16,
+                               int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM ||
+        block_size <= 0 || num_threads <= 0 || seq_begin < 0 || seq_end < seq_begin)
+        return QW_BAD_SHAPE;
+    if (seq_end == seq_begin) return QW_OK;
+    Params p = {q, k, v, block_tables, seq_lens, query_start, out, num_heads, num_kv_heads, head_dim,
+                block_size, max_blocks, num_blocks, scale, is_bf16};
+    const int64_t num_seqs = seq_end - seq_begin, Dp = round_up(head_dim, 64);
+
+    int64_t num_units = 0, floats = 0;
+    for (int64_t s = seq_begin; s < seq_end; s++) {
+        const int64_t n = query_start[s + 1] - query_start[s], L = seq_lens[s];
+        if (n < 1 || L < n || L > max_blocks * block_size) return QW_BAD_SEQ_LEN;
+        num_units += num_heads * ((n + QT - 1) / QT);
+        floats += 2 * num_kv_heads * round_up(L, KB) * Dp;
+    }
+    Unit *units = malloc((size_t)num_units * sizeof(Unit));
+    SeqKV *kv = malloc((size_t)num_seqs * sizeof(SeqKV));
+    // Zeroed: the padding keys past each context (masked; their V rows must not be NaN).
+    float *kv_data = calloc((size_t)floats, sizeof(float));
+    if (!units || !kv || !kv_data) {
+        free(units);
+        free(kv);
+        free(kv_data);
+        return QW_NO_MEMORY;
+    }
+    int64_t ui = 0, offset = 0;
+    for (int64_t s = seq_begin; s < seq_end; s++) {
+        const int64_t n = query_start[s + 1] - query_start[s], L = seq_lens[s], Lp = round_up(L, KB);
+        SeqKV *e = &kv[s - seq_begin];
+        e->padded_len = Lp;
+        e->kt = kv_data + offset;
+        e->v = e->kt + num_kv_heads * Dp * Lp;
+        offset += 2 * num_kv_heads * Lp * Dp;
+        for (int64_t h = 0; h < num_heads; h++)
+            for (int64_t first = 0; first < n; first += QT)
+                units[ui++] = (Unit){(int32_t)s, (int32_t)h, (int32_t)first, (int32_t)(L - n + first + QT)};
+    }
+    qsort(units, (size_t)num_units, sizeof(Unit), by_cost_desc);
+
+    // Conversion work in pieces of 256 tokens, so that one long context is shared out too.
+    int64_t num_pieces = 0;
+    for (int64_t s = seq_begin; s < seq_end; s++) num_pieces += (seq_lens[s] + 255) / 256;
+    int err = QW_OK;
+    int64_t next_unit = 0;
+    const int64_t work = num_units * QT * head_dim;
+    const int parallel = num_threads > 1 && work > (1 << 14);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+#pragma omp for schedule(dynamic)
+        for (int64_t piece = 0; piece < num_pieces; piece++) {
+            int64_t s = seq_begin, first = piece;
+            while (first >= (seq_lens[s] + 255) / 256) first -= (seq_lens[s++] + 255) / 256;
+            const int64_t t0 = first * 256, t1 = t0 + 256 < seq_lens[s] ? t0 + 256 : seq_lens[s];
+            const int rc = convert_kv(&p, s, &kv[s - seq_begin], Dp, t0, t1);
+            if (rc != QW_OK) {
+#pragma omp atomic write
+                err = rc;
+            }
+        }
+        // (the implicit barrier of the loop above: every K^T and V is ready)
+        Scratch w;
+        float *buf = aligned_alloc(64, (size_t)(2 * QT * Dp + QT * KB) * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            err = QW_NO_MEMORY;
+        }
+        int ok;
+#pragma omp atomic read
+        ok = err;
+        ok = ok == QW_OK && buf != NULL;
+        if (ok) {
+            w.q = buf;
+            w.acc = buf + QT * Dp;
+            w.s = buf + 2 * QT * Dp;
+            for (;;) {
+                const int64_t i = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);
+                if (i >= num_units) break;
+                const Unit *u = &units[i];
+                run_unit(&p, u, &kv[u->seq - seq_begin], Dp, &w);
+            }
+        }
+        free(buf);
+    }
+    free(units);
+    free(kv);
+    free(kv_data);
+    return err;
+}
