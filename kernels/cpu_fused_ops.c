@@ -185,6 +185,15 @@ int qw_rotary(const void *q, int64_t q_stride, const void *k, int64_t k_stride, 
 
 // ---- SiLU and mul -------------------------------------------------------------------------------
 
+// a * b + c with one rounding where the CPU has FMA: the file is built with -ffp-contract=off (for
+// the ops that must round as torch does), but exp's polynomial only needs to be accurate, and half
+// its instructions go away with FMA.
+#ifdef __FMA__
+#define MADD(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
 // exp(x) by Cody-Waite range reduction and the Cephes expf polynomial, about 2 ulp, branch-free so
 // that the loop below vectorizes. Below -87.3 it returns exp(-87.3) (silu's x / (1 + exp(-x)) is
 // then x, as with the true exp); above 88.72 it returns inf, as expf does.
@@ -198,15 +207,14 @@ static inline float exp_approx(float x) {
     memcpy(&mi, &magic, sizeof mi);
     const int32_t n = ti - mi;
     const float nf = t - magic;
-    float f = xc - nf * 0.693359375f;
-    f = f - nf * -2.12194440e-4f;
+    const float f = MADD(nf, 2.12194440e-4f, MADD(nf, -0.693359375f, xc));
     float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * f * f + f + 1.0f;
+    p = MADD(p, f, 1.3981999507e-3f);
+    p = MADD(p, f, 8.3334519073e-3f);
+    p = MADD(p, f, 4.1665795894e-2f);
+    p = MADD(p, f, 1.6666665459e-1f);
+    p = MADD(p, f, 5.0000001201e-1f);
+    p = MADD(p * f, f, f + 1.0f);
     // 2^n as a float's exponent field, which holds 2^127 at most: 2^128 is 2^127 * 2.
     const int32_t top = n > 127;
     const int32_t bits = (n - top + 127) << 23;
