@@ -174,9 +174,15 @@ def test_poison_input_fails_cleanly_and_the_queue_keeps_moving(url, tiny_dir):
         assert fragment in result.error.message, (job_id, result.error)
     for job_id in (good_before, good_after):
         assert client.result(job_id, timeout=1).status is JobStatus.COMPLETED
+    # Two dead letters: the entry with no id (nothing to store a result under), and the too-long
+    # prompt, which keeps its failed result but is dead-lettered so that a worker with a longer
+    # context can take a replay.
     dead = r.xrange(constants.dead_letter_stream(stream))
-    assert len(dead) == 1 and b"cannot read a job id" in dead[0][1][b"reason"]
-    assert worker.stats.num_dead_lettered == 1
+    reasons = sorted(entry[1][b"reason"] for entry in dead)
+    assert len(dead) == 2, reasons
+    assert any(b"cannot read a job id" in reason for reason in reasons), reasons
+    assert any(b"2000 tokens" in reason for reason in reasons), reasons
+    assert worker.stats.num_dead_lettered == 2
     assert_nothing_pending(url)
     assert r.xlen(stream) == 0
 
