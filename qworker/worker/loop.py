@@ -32,14 +32,12 @@ from qworker.worker.jobs import (
     JobError,
     JobResult,
     JobStatus,
-    Timings,
-    Usage,
-    completion_result,
     decode_job,
     resolve_job_id,
-    token_logprobs,
 )
 from qworker.worker.metrics import WorkerMetrics
+from qworker.worker.outbox import Outbox, PendingFinal
+from qworker.worker.results import build_result
 from qworker.worker.retry import BrokerOutage, BrokerOutageError, is_transient
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.sinks.base import Delta, ResultSink
@@ -48,21 +46,6 @@ from qworker.worker.sources.base import JobSource, Lease
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Text deltas kept while the broker is away; past this, new ones are dropped (the live stream
-# then misses tokens; the result, written after, holds the whole text).
-MAX_BUFFERED_DELTAS = 50_000
-
-
-@dataclass
-class _Final:
-    """How a job ends, waiting to reach the broker: its result (if any) is stored first, then
-    each lease is acked, or dead-lettered when `dead_letter` gives (kind, reason)."""
-
-    result: JobResult | None
-    leases: list[Lease]
-    dead_letter: tuple[str, str] | None = None
-    is_stored: bool = False
 
 
 @dataclass
@@ -133,11 +116,8 @@ class Worker:
         self._attempt_notes: dict[str, str] = {}
         self._num_step_failures = 0
         self.outage = BrokerOutage(self.settings.broker_outage_s)
-        # Writes not yet made (the broker is away, or they are this step's): deltas, then finals.
-        self._delta_buffer: list[Delta] = []
-        self._outbox: list[_Final] = []
-        # Job id -> its final in the outbox, so that a redelivery of it joins that final.
-        self._final_by_job: dict[str, _Final] = {}
+        # Writes not yet made (the broker is away, or they are this step's).
+        self.outbox = Outbox()
         # Leased messages not yet taken (the broker went away while taking them).
         self._intake: list[Lease] = []
         self._stop = threading.Event()
@@ -195,11 +175,11 @@ class Worker:
                     self._begin_drain()
                 if self._drain_deadline is not None:
                     self._drain_tick()
-                    if not self._held and not self._outbox:
+                    if not self._held and not self.outbox.has_finals:
                         break
                 else:
                     num_leased = self._pull(block=not self._held and not burst)
-                    is_settled = not self._held and not self._outbox and not self.outage.is_down
+                    is_settled = not self._held and not self.outbox.has_finals and not self.outage.is_down
                     if burst and num_leased == 0 and is_settled:
                         break
                 self._flush()
@@ -308,7 +288,7 @@ class Worker:
             else:
                 held.extra_leases.append(lease)
             return
-        pending = self._final_by_job.get(job_id)
+        pending = self.outbox.final_for(job_id)
         if pending is not None:
             # Its result waits in the outbox (the broker was away): acked with it.
             if all(le.message_id != lease.message_id for le in pending.leases):
@@ -316,7 +296,7 @@ class Worker:
             return
         if self.sink.has_result(job_id):
             self.stats.num_skipped_done += 1
-            self._send_final(_Final(None, [lease]))
+            self._send_final(PendingFinal(None, [lease]))
             return
         if lease.rejection is not None:
             self._fail_and_dead_letter(lease, job_id, "Rejected", lease.rejection)
@@ -372,7 +352,7 @@ class Worker:
             return
         if lease.delivery_count > 1:
             # This attempt streams from the start: live readers drop what earlier ones streamed.
-            self._delta_buffer.append(Delta(job_id, "", attempt=lease.delivery_count))
+            self.outbox.add_deltas([Delta(job_id, "", attempt=lease.delivery_count)])
         self._attempt_notes[job_id] = (
             f"attempt {lease.delivery_count} (worker {self.name}, begun "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}) ended without a result: "
@@ -427,7 +407,7 @@ class Worker:
             if out.finished:
                 finished.append((held, out.output))
         # Deltas first: a live reader sees every delta before the done marker of the result.
-        self._buffer_deltas(deltas)
+        self.outbox.add_deltas(deltas)
         for held, output in finished:
             assert output is not None, "a finished step output carries the whole result"
             self._complete(held, output, JobStatus.COMPLETED, None)
@@ -497,53 +477,13 @@ class Worker:
         error: JobError | None,
         output: RequestOutput | None,
     ) -> JobResult:
-        timings = Timings(enqueued_at=lease.enqueued_at, finished_at=time.time())
-        result = JobResult(
-            id=job_id,
-            status=status,
-            error=error,
-            attempts=lease.delivery_count,
-            worker=self.name,
-            metadata=job.metadata if job is not None else None,
-            timings=timings,
-        )
-        if output is not None:
-            completion = output.outputs[0]
-            result.text = completion.text
-            result.token_ids = list(completion.token_ids)
-            result.finish_reason = completion.finish_reason if status is JobStatus.COMPLETED else status.value
-            result.usage = Usage(
-                prompt_tokens=len(output.prompt_token_ids),
-                completion_tokens=sum(len(c.token_ids) for c in output.outputs),
-            )
-            params = job.params if job is not None else None
-            num_top = (params.logprobs or 0) if params is not None else 0
-            if completion.logprobs is not None:
-                result.logprobs = [token_logprobs(p, num_top) for p in completion.logprobs]
-            if output.prompt_logprobs is not None:
-                num_prompt_top = (params.prompt_logprobs or 0) if params is not None else 0
-                result.prompt_logprobs = [
-                    token_logprobs(p, num_prompt_top) if p is not None else None
-                    for p in output.prompt_logprobs
-                ]
-                result.prompt_token_ids = list(output.prompt_token_ids)
-            if params is not None and params.n > 1:
-                result.outputs = [
-                    completion_result(
-                        c, c.finish_reason if status is JobStatus.COMPLETED else status.value, num_top
-                    )
-                    for c in output.outputs
-                ]
-            timings.started_at = output.metrics.first_scheduled_time
-            timings.first_token_at = output.metrics.first_token_time
-            timings.finished_at = output.metrics.finished_time or timings.finished_at
-        return result
+        return build_result(job_id, job, lease, status, error, output, self.name)
 
     def _store_and_ack(self, result: JobResult, leases: list[Lease]) -> None:
         """The one place a job ends: its result is stored, and only then is its message acked."""
         if self.settings.log_payloads:
             logger.debug("job %s result (%s): %r", result.id, result.status.value, result.text)
-        self._send_final(_Final(result, list(leases)))
+        self._send_final(PendingFinal(result, list(leases)))
         counter = f"num_{result.status.value}"
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
@@ -581,7 +521,7 @@ class Worker:
         """`kind`: a short fixed name (the metric's label), `reason`: the words for people;
         `result`, stored first, so that a client waiting on the job hears why."""
         logger.warning("message %s dead-lettered: %s", lease.message_id, reason)
-        self._send_final(_Final(result, [lease], dead_letter=(kind, reason)))
+        self._send_final(PendingFinal(result, [lease], dead_letter=(kind, reason)))
         self.stats.num_dead_lettered += 1
         self.metrics.observe_dead_letter(kind)
 
@@ -647,6 +587,7 @@ class Worker:
             admission.num_committed_blocks,
         )
         self.stats.num_broker_outages = self.outage.num_outages
+        self.stats.num_deltas_dropped = self.outbox.num_deltas_dropped
         self._best_effort("writing worker stats", lambda: self.sink.write_worker_stats(self.name, self.stats))
         # As the worker sees them: a job runs once it produced a token, and waits in the engine
         # before that (queued or still prefilling).
@@ -663,54 +604,27 @@ class Worker:
 
     # -- the outbox and broker outages ----------------------------------------------------------
 
-    def _buffer_deltas(self, deltas: list[Delta]) -> None:
-        room = MAX_BUFFERED_DELTAS - len(self._delta_buffer)
-        if len(deltas) > room:
-            if self.stats.num_deltas_dropped == 0 or room > 0:
-                logger.warning(
-                    "worker %s: %d deltas wait for the broker; dropping new ones until it returns",
-                    self.name, len(self._delta_buffer),
-                )  # fmt: skip
-            self.stats.num_deltas_dropped += len(deltas) - max(0, room)
-            deltas = deltas[: max(0, room)]
-        self._delta_buffer.extend(deltas)
-
-    def _send_final(self, final: _Final) -> None:
-        self._outbox.append(final)
-        if final.result is not None:
-            self._final_by_job[final.result.id] = final
+    def _send_final(self, final: PendingFinal) -> None:
+        self.outbox.add_final(final)
         self._flush()
 
     def _flush(self) -> None:
-        """Write what waits, in order: deltas, then each final's result and its acks. Stops at
-        the first broker error (the outage clock runs; the next try is on its backoff)."""
-        if not (self._delta_buffer or self._outbox) or not self.outage.may_try():
+        """Write what waits (outbox.py); a broker error stops it and counts toward the outage
+        (the next try is on its backoff)."""
+        if self.outbox.is_empty or not self.outage.may_try():
             return
         try:
-            if self._delta_buffer:
-                self.sink.write_deltas(self._delta_buffer)
-                self._delta_buffer = []
-            while self._outbox:
-                final = self._outbox[0]
-                if final.result is not None and not final.is_stored:
-                    if self.sink.write_result(final.result):
-                        self.metrics.observe_result(final.result)
-                    else:
-                        logger.info("job %s already had a result; keeping that one", final.result.id)
-                    final.is_stored = True
-                while final.leases:
-                    if final.dead_letter is not None:
-                        self.source.dead_letter(final.leases[0], final.dead_letter[1])
-                    else:
-                        self.source.ack(final.leases[0])
-                    final.leases.pop(0)
-                self._outbox.pop(0)
-                if final.result is not None and self._final_by_job.get(final.result.id) is final:
-                    del self._final_by_job[final.result.id]
+            self.outbox.flush(self.sink, self.source, self._on_result_stored)
         except Exception as exc:
             self._on_broker_error(exc, "writing results")
             return
         self._on_broker_ok()
+
+    def _on_result_stored(self, result: JobResult, is_new: bool) -> None:
+        if is_new:
+            self.metrics.observe_result(result)
+        else:
+            logger.info("job %s already had a result; keeping that one", result.id)
 
     def _on_broker_error(self, exc: Exception, what: str) -> None:
         """A broker call failed: a transient error counts toward the outage (raising
@@ -758,7 +672,7 @@ class Worker:
             self.source.release(leases)
         except Exception:
             logger.info("worker %s: could not release %d jobs; their leases expire", self.name, len(leases))
-        num_unstored = sum(1 for f in self._outbox if f.result is not None and not f.is_stored)
+        num_unstored = self.outbox.num_unstored_results
         logger.error(
             "worker %s stopped after a broker outage: %d jobs held, %d results not stored: %s",
             self.name, len(held), num_unstored, self.stats,
