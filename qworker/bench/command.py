@@ -37,7 +37,8 @@ CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_t
 
 def cpu_model_and_flags() -> tuple[str | None, list[str]]:
     """The CPU's model name and which of CPU_FLAGS_OF_INTEREST it has (Linux /proc/cpuinfo)."""
-    model, flags = None, set()
+    model: str | None = None
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -148,7 +148,7 @@ def schedule_seconds(
 
 
 def needed_points(shapes: ModelShapes, schedule: Schedule) -> list[tuple[LinearShape, int]]:
-    points = []
+    points: list[tuple[LinearShape, int]] = []
     for steps, group in ((schedule.layer_steps, shapes.layers), (schedule.lm_head_steps, (shapes.lm_head,))):
         for bucket in sorted({row_bucket(rows) for rows in steps}):
             points.extend((shape, bucket) for shape in group)
