@@ -49,6 +49,13 @@ def make_llm(**engine_args) -> LLM:
     return LLM("smollm2", dtype="float32", **engine_args)
 
 
+@pytest.fixture(scope="module")
+def expected(prompt_ids) -> list[list[int]]:
+    # One uncached run serves every configuration: the greedy parity tests show that all of them
+    # give transformers' tokens, so they give the same tokens as each other.
+    return generate(make_llm(enable_prefix_caching=False), prompt_ids)
+
+
 CONFIGS = [
     {},  # block size 16
     {"max_num_batched_tokens": 8},
@@ -62,13 +69,6 @@ CONFIGS = [
 @pytest.mark.parametrize(
     "engine_args", CONFIGS, ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default"
 )
-@pytest.fixture(scope="module")
-def expected(prompt_ids) -> list[list[int]]:
-    # One uncached run serves every configuration: the greedy parity tests show that all of them
-    # give transformers' tokens, so they give the same tokens as each other.
-    return generate(make_llm(enable_prefix_caching=False), prompt_ids)
-
-
 def test_parity_prompts_twice_with_the_cache_equal_once_without(prompt_ids, expected, engine_args):
     llm = make_llm(**engine_args)
     engine = llm.llm_engine
