@@ -56,7 +56,7 @@ def test_fuzzed_entries_each_get_one_outcome(url, tiny_model_dir, tmp_path):
     # The fuzz reached every exit: dead letters, validation failures, jobs run by the engine.
     assert outcomes.num_dead_lettered > 10 and outcomes.num_good_completed >= 24
     assert outcomes.num_completed - outcomes.num_good_completed > 20  # fuzzed jobs that ran
-    assert outcomes.error_types["ValidationError"] > 10 and outcomes.error_types["InvalidJSON"] > 5
+    assert outcomes.error_types["ValidationError"] > 10 and outcomes.error_types["InvalidJSON"] >= 3
 
 
 @pytest.mark.timeout(120)
