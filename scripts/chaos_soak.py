@@ -6,7 +6,8 @@ At the end it counts, over the job ids it submitted:
 - results: jobs with a stored result (expected: all of them); lost: the others;
 - duplicated: jobs that ran to completion more than once (more than one done marker on their
   delta stream: every completed attempt writes one, stored or not);
-- pending: entries still pending in the consumer group, plus entries left in the stream;
+- pending: entries still pending in the consumer group, plus entries left in the stream, over the
+  stream and its priority lane (a tenth of the jobs are urgent and go through the lane);
 - dead letters: entries in the dead-letter stream (none expected: every job is valid).
 Memory: every 10 s the RSS of each worker process and Redis's used_memory, plotted to
 memory.png. Growth after warm-up is bounded:
@@ -135,7 +136,8 @@ class Soak:
     # -- the producer ------------------------------------------------------------------------------
 
     def produce(self) -> None:
-        client = Client(queue=self.url)
+        # Urgent jobs (priority 0) go to the stream's priority lane; the rest priority 5.
+        client = Client(queue=f"{self.url}&high_lane_max_priority=0", results=self.url)
         i = 0
         next_burst = self.args.burst_every_s
         while i < self.args.num_jobs and not self.stop.is_set():
@@ -150,6 +152,7 @@ class Soak:
                     {
                         "id": f"soak-{i}",
                         "prompt_token_ids": tokens,
+                        "priority": 0 if self.rng.random() < self.args.urgent_share else 5,
                         "params": {"max_tokens": 8, "ignore_eos": True},
                     }
                 )
@@ -266,7 +269,10 @@ class Soak:
             for entries in pipe.execute():
                 done = sum(1 for _, fields in entries if constants.DELTA_FIELD_DONE.encode() in fields)
                 num_duplicated += done > 1
-        pending = int(r.xpending(self.stream, "g")["pending"]) + int(r.xlen(self.stream))
+        pending = sum(
+            int(r.xpending(stream, "g")["pending"]) + int(r.xlen(stream))
+            for stream in (self.stream, constants.high_lane_stream(self.stream))
+        )
         dead = int(r.xlen(constants.dead_letter_stream(self.stream)))
         memory = self.check_memory()
         summary = {
@@ -378,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-size", type=int, default=200)
     parser.add_argument(
         "--chaos-every-s", type=float, default=45.0, help="mean seconds between chaos actions"
+    )
+    parser.add_argument(
+        "--urgent-share", type=float, default=0.1, help="share of jobs sent through the priority lane"
     )
     parser.add_argument("--lease-timeout-s", type=float, default=5.0)
     parser.add_argument("--sample-every-s", type=float, default=10.0)

@@ -2,12 +2,13 @@
 
 Per queue, read without taking anything (no lease, no receive, no delivery counted):
 
-- Redis Streams. Waiting: the entries not yet delivered to the group (its lag; XLEN minus pending
-  where Redis does not know the lag, which is exact because qworker deletes what it acks), plus
-  pending entries no live worker holds (their consumer has no stats report, or their idle time is
-  past the lease: a dead worker's or a released one, which the next reclaim hands out again).
-  Bodies are read with XRANGE, so text prompts are sized by length and token-id prompts exactly.
-  In flight: the other pending entries, sized from their bodies too.
+- Redis Streams, the stream and its priority lane `{stream}:high` alike. Waiting: the entries
+  not yet delivered to the group (its lag; XLEN minus pending where Redis does not know the lag,
+  which is exact because qworker deletes what it acks), plus pending entries no live worker holds
+  (their consumer has no stats report, or their idle time is past the lease: a dead worker's or a
+  released one, which the next reclaim hands out again). Bodies are read with XRANGE, so text
+  prompts are sized by length and token-id prompts exactly. In flight: the other pending
+  entries, sized from their bodies too.
 - Celery on Redis. Waiting: the queue list (LLEN; bodies from LRANGE, Celery protocol v2 envelopes).
   In flight: kombu's unacked hash of the queue (HLEN; bodies from HVALS).
 - SQS. ApproximateNumberOfMessages (+ Delayed) waiting and ApproximateNumberOfMessagesNotVisible
@@ -92,11 +93,11 @@ class RedisStreamBacklog:
         self.lease_timeout_s = lease_timeout_s
         self.sample_limit = sample_limit
 
-    def _group_info(self) -> dict[str, Any] | None:
+    def _group_info(self, stream: str) -> dict[str, Any] | None:
         import redis as redis_lib
 
         try:
-            groups = self.redis.xinfo_groups(self.stream)
+            groups = self.redis.xinfo_groups(stream)
         except redis_lib.ResponseError:  # no such stream yet
             return None
         for group in groups:
@@ -113,24 +114,29 @@ class RedisStreamBacklog:
         return blocks
 
     def read(self, live_workers: set[str] | None) -> QueueWork:
-        num_entries = int(self.redis.xlen(self.stream))
+        lane = self._read_stream(constants.high_lane_stream(self.stream), live_workers)
+        main = self._read_stream(self.stream, live_workers)
+        return QueueWork(lane.waiting + main.waiting, lane.in_flight + main.in_flight)
+
+    def _read_stream(self, stream: str, live_workers: set[str] | None) -> QueueWork:
+        num_entries = int(self.redis.xlen(stream))
         if num_entries == 0:
             return QueueWork(Work(), Work())
-        group = self._group_info()
+        group = self._group_info(stream)
         if group is None:
             # No worker ever joined (scale from zero): every entry waits.
-            sample = self.redis.xrange(self.stream, "-", "+", count=self.sample_limit)
+            sample = self.redis.xrange(stream, "-", "+", count=self.sample_limit)
             return QueueWork(extrapolate(self._bodies_blocks(sample), num_entries, self.sizing), Work())
         num_pending = int(group["pending"])
         lag = group.get("lag")
         num_undelivered = int(lag) if lag is not None else max(0, num_entries - num_pending)
         last_id = _text(group["last-delivered-id"])
-        undelivered = self.redis.xrange(self.stream, f"({last_id}", "+", count=self.sample_limit)
+        undelivered = self.redis.xrange(stream, f"({last_id}", "+", count=self.sample_limit)
         waiting = extrapolate(self._bodies_blocks(undelivered), num_undelivered, self.sizing)
         if num_pending == 0:
             return QueueWork(waiting, Work())
 
-        pending = self.redis.xpending_range(self.stream, self.group, "-", "+", self.sample_limit)
+        pending = self.redis.xpending_range(stream, self.group, "-", "+", self.sample_limit)
         lease_ms = self.lease_timeout_s * 1000
         orphan_ids: list[Any] = []
         held_ids: list[Any] = []
@@ -141,7 +147,7 @@ class RedisStreamBacklog:
             (orphan_ids if is_orphan else held_ids).append(entry["message_id"])
         pipe = self.redis.pipeline(transaction=False)
         for message_id in (*orphan_ids, *held_ids):
-            pipe.xrange(self.stream, message_id, message_id)
+            pipe.xrange(stream, message_id, message_id)
         found = pipe.execute()
         # An entry acked (and deleted) since XPENDING: gone, not counted.
         orphan_entries = [e[0] for e in found[: len(orphan_ids)] if e]

@@ -75,7 +75,9 @@ class Client:
         """Validate every job first, then enqueue them all (in as few round trips as the queue
         allows). Returns their ids."""
         validated = [self._as_job(job) for job in jobs]
-        self.producer.send([OutgoingJob(job.id, encode_job(job), group_id) for job in validated])
+        self.producer.send(
+            [OutgoingJob(job.id, encode_job(job), group_id, job.priority) for job in validated]
+        )
         return [job.id for job in validated]
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:

@@ -65,7 +65,7 @@ RESULT_BACKENDS: dict[str, str] = {
 
 # qworker's own query parameters, per backend. A Redis URL may serve as queue and results at
 # once, so both sets are accepted on either side.
-SOURCE_PARAMS = {"stream", "group", "dead_letter", "lease_timeout_s"}
+SOURCE_PARAMS = {"stream", "group", "dead_letter", "lease_timeout_s", "high_lane_max_priority"}
 SINK_PARAMS = {"prefix", "result_ttl_s", "delta_ttl_s", "delta_maxlen"}
 AWS_PARAMS = {
     "region",
@@ -270,6 +270,16 @@ def url_number(params: dict[str, str], name: str, default: float) -> float:
         raise InvalidURLError(f"URL parameter {name}={params[name]!r} is not a number") from None
 
 
+def url_integer(params: dict[str, str], name: str) -> int | None:
+    """An optional integer URL parameter; None when absent."""
+    if name not in params:
+        return None
+    try:
+        return int(params[name])
+    except ValueError:
+        raise InvalidURLError(f"URL parameter {name}={params[name]!r} is not an integer") from None
+
+
 def url_flag(params: dict[str, str], name: str, default: bool) -> bool:
     value = params.get(name)
     if value is None:
@@ -320,10 +330,19 @@ def parse_redis_url(url: str, own_params: set[str]) -> ParsedURL:
     return parsed
 
 
+# Connections one client may open. redis-py 8 caps a pool at 100 by default, and a Client that
+# streams many jobs at once holds one connection per live stream (a blocking XREAD), so the 101st
+# concurrent stream failed with MaxConnectionsError. The server's own limit (maxclients, 10,000 by
+# default) is the one that matters.
+REDIS_MAX_CONNECTIONS = 10_000
+
+
 def redis_client(connection_url: str) -> Any:  # a redis.Redis
     import redis
 
-    return redis.Redis.from_url(connection_url, health_check_interval=30)
+    return redis.Redis.from_url(
+        connection_url, health_check_interval=30, max_connections=REDIS_MAX_CONNECTIONS
+    )
 
 
 def celery_broker_url(connection_url: str) -> str:

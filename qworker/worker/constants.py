@@ -39,6 +39,11 @@ def dead_letter_stream(stream: str) -> str:
     return f"{stream}:dead"
 
 
+def high_lane_stream(stream: str) -> str:
+    """The priority lane of a job stream: read before the stream itself (see docs/queues.md)."""
+    return f"{stream}:high"
+
+
 def result_key(prefix: str, job_id: str) -> str:
     return f"{prefix}:result:{job_id}"
 

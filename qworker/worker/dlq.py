@@ -62,6 +62,9 @@ class DeadLetter:
     dead_at: float | None
     # The original message body (the job JSON; an S3 pointer for a large SQS job).
     body: bytes
+    # The queue the message came from, where the backend records it (a Redis stream or its
+    # priority lane): replay puts it back there.
+    source: str | None = None
 
     def age_s(self, now: float | None = None) -> float | None:
         return None if self.dead_at is None else (now or time.time()) - self.dead_at
@@ -75,6 +78,7 @@ class DeadLetter:
             "dead_at": self.dead_at,
             "age_s": self.age_s(),
             "body": self.body.decode("utf-8", "backslashreplace"),
+            "source": self.source,
         }
 
 
@@ -165,6 +169,7 @@ class RedisStreamDeadLetters(DeadLetterQueue):
             attempts=int(text("delivery_count") or 0),
             dead_at=int(entry.split("-")[0]) / 1000.0,
             body=body if isinstance(body, bytes) else str(body).encode(),
+            source=text("source_stream"),
         )
 
     def read(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
@@ -190,8 +195,12 @@ class RedisStreamDeadLetters(DeadLetterQueue):
             fields: dict[str, Any] = {constants.FIELD_BODY: letter.body}
             if letter.job_id is not None:
                 fields = {constants.FIELD_JOB_ID: letter.job_id, **fields}
+            # Back to the lane it came from; anything else (a dead letter from an older stream
+            # name) to the stream.
+            high_lane = constants.high_lane_stream(self.stream)
+            target = high_lane if letter.source == high_lane else self.stream
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(self.stream, fields)
+            pipe.xadd(target, fields)
             pipe.xdel(self.dead_letter_stream, letter.id)
             pipe.execute()
         return letters

@@ -2,7 +2,12 @@
 priority-0 jobs submitted behind 100 priority-9 jobs start within a stated number of engine steps,
 ahead of the priority-9 jobs the worker already holds.
 
-The bound. The Redis Streams source hands out jobs in stream order, and a worker holds at most
+With the priority lane (the producer's URL has high_lane_max_priority=0), the priority-0 jobs go
+to `{stream}:high`, which the worker reads before the stream: a lane job with `a` lane jobs ahead
+of it waits as if the stream were empty, bound(a) below with ahead = a; with none ahead, 2 * T
+steps (here 8), however deep the stream is.
+
+Without the lane, the Redis Streams source hands out jobs in stream order, and a worker holds at most
 max_num_seqs (S) running plus max_backlog (B) not-started jobs: a job with `ahead` jobs in front
 of it is leased only once ahead - (S + B) + 1 of them have completed, and the priority policy can
 only reorder the jobs a worker holds. Jobs complete at S per T steps (T: steps one job runs; here a
@@ -56,10 +61,11 @@ class StepCounter:
         return getattr(self._engine, name)
 
 
-def run(tiny_model_dir, policy: str) -> StepCounter:
+def run(tiny_model_dir, policy: str, lane: bool = False) -> StepCounter:
     url = unique_url(redis_base_url(), "priority")
+    producer_url = f"{url}&high_lane_max_priority=0" if lane else url
     try:
-        with Client(queue=url, results=url) as client:
+        with Client(queue=producer_url, results=url) as client:
             low = [
                 {"id": f"low{i}", "priority": 9, "prompt_token_ids": [5 + i, 6, 7]} for i in range(NUM_LOW)
             ]
@@ -105,7 +111,21 @@ def step_bound(ahead: int) -> int:
 
 
 @pytest.mark.timeout(300)
+def test_priority_lane_starts_urgent_jobs_within_a_bound_independent_of_the_stream_depth(tiny_model_dir):
+    engine = run(tiny_model_dir, "priority", lane=True)
+    first_steps = [engine.first_step[f"high{i}"] for i in range(NUM_HIGH)]
+    print("first steps of the priority-0 jobs, with the lane", first_steps)
+    # Lane job i has i lane jobs ahead of it; the 100 stream jobs do not count.
+    assert all(step <= step_bound(i) for i, step in enumerate(first_steps)), first_steps
+    assert max(first_steps) <= 2 * MAX_TOKENS, first_steps
+    # They start before any priority-9 job that was not already running.
+    first_low = sorted(engine.first_step[f"low{j}"] for j in range(NUM_LOW))
+    assert max(first_steps) <= first_low[0], (first_steps, first_low[:8])
+
+
+@pytest.mark.timeout(300)
 def test_priority_zero_jobs_behind_a_hundred_start_within_the_bound_and_overtake(tiny_model_dir):
+    """Without the lane: a bound that grows with the depth in the stream."""
     engine = run(tiny_model_dir, "priority")
     for i in range(NUM_HIGH):
         ahead = NUM_LOW + i

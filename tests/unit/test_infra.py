@@ -264,12 +264,13 @@ def test_every_yaml_under_infra_parses():
                 assert doc.get("metadata", {}).get("name"), f"{path}: {doc['kind']} has no name"
 
 
-def test_keda_redis_trigger_scales_on_the_length_of_qworkers_default_stream():
+def test_keda_redis_trigger_scales_on_the_length_of_qworkers_default_stream_and_its_lane():
     triggers = _redis_stream_triggers()
     assert triggers, "no redis-streams trigger under infra/k8s"
+    lanes = {constants.DEFAULT_STREAM, constants.high_lane_stream(constants.DEFAULT_STREAM)}
+    assert {trigger["metadata"]["stream"] for _, trigger in triggers} == lanes
     for _, trigger in triggers:
         metadata = trigger["metadata"]
-        assert metadata["stream"] == constants.DEFAULT_STREAM
         # XLEN counts held + waiting jobs only because acked entries are deleted (the worker tests
         # assert XLEN drops to 0); with a consumerGroup KEDA would scale on pending entries or lag.
         assert "consumerGroup" not in metadata

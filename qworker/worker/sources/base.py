@@ -28,7 +28,8 @@ from dataclasses import dataclass
 class Lease:
     """One message held by this worker."""
 
-    # The queue's own handle for the message (a stream entry id, an SQS receipt handle).
+    # The queue's own handle for the message (a stream entry id, an SQS receipt handle), unique
+    # within the source (a Redis priority-lane entry's id is prefixed with its lane).
     message_id: str
     # The raw body: decoding it (and failing it when it is not a job) is the worker's business.
     body: bytes
@@ -112,6 +113,9 @@ class OutgoingJob:
     body: bytes
     # Ordering group on queues that have them (SQS FIFO MessageGroupId); None: the queue's default.
     group_id: str | None = None
+    # The job's priority (lower runs first): a queue with a priority lane puts it there when it
+    # is urgent enough (Redis Streams with high_lane_max_priority).
+    priority: int = 0
 
 
 class JobProducer(abc.ABC):

@@ -1,6 +1,12 @@
-"""Job source on a Redis Stream with a consumer group.
+"""Job source on a Redis Stream with a consumer group, and its priority lane.
 
-- lease: XAUTOCLAIM of entries whose lease expired (their consumer died), then XREADGROUP.
+Two streams share the group: the priority lane `{stream}:high` and `{stream}` itself. A producer
+with `high_lane_max_priority=N` in its URL writes jobs of priority N or lower (more urgent) to the
+lane; a worker always reads the lane first, so an urgent job is leased at the worker's next free
+slot however deep the stream is (docs/queues.md, "Priority").
+
+- lease: XAUTOCLAIM of entries whose lease expired (their consumer died), lane first, then
+  XREADGROUP of the lane and then the stream for what is left, in one script call.
 - extend: XCLAIM ... JUSTID resets an entry's idle time without counting a delivery.
 - ack: XACK + XDEL in one transaction, after the result is stored.
 - release: set the entry's idle time past the lease, so the next XAUTOCLAIM of any peer takes it.
@@ -17,7 +23,14 @@ import time
 from typing import Any
 
 from qworker.worker import constants
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_redis_url, redis_client, url_number
+from qworker.worker.connections import (
+    SINK_PARAMS,
+    SOURCE_PARAMS,
+    parse_redis_url,
+    redis_client,
+    url_integer,
+    url_number,
+)
 from qworker.worker.jobs import job_id_problem
 from qworker.worker.retry import bound_socket_timeouts
 from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
@@ -39,6 +52,29 @@ for i = 4, #ARGV do
 end
 return lost
 """
+
+# New entries, the most urgent lane first, up to a total count, in one round trip.
+# KEYS: the lanes in reading order; ARGV: group, consumer, count.
+# Returns {lane index (1-based), entry id, {field, value, ...}} per entry.
+_READ_LANES_LUA = """
+local out = {}
+local left = tonumber(ARGV[3])
+for i, key in ipairs(KEYS) do
+  if left <= 0 then break end
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', key, '>')
+  if reply then
+    for _, entry in ipairs(reply[1][2]) do
+      table.insert(out, {i, entry[1], entry[2]})
+    end
+    left = left - #reply[1][2]
+  end
+end
+return out
+"""
+
+# A priority-lane entry's message id is its entry id behind this, so that ids stay unique across
+# the two streams (both take their ids from the server's clock).
+HIGH_LANE_PREFIX = "high:"
 
 # Dead-letter entries are kept for inspection, up to about this many.
 DEAD_LETTER_MAXLEN = 100_000
@@ -65,11 +101,37 @@ class RedisStreamSource(JobSource):
         self.dead_letter_stream = dead_letter_stream or constants.dead_letter_stream(stream)
         self.lease_timeout_s = lease_timeout_s
         self.reclaim_interval_s = reclaim_interval_s
+        self.high_stream = constants.high_lane_stream(stream)
+        # Reading order: the priority lane first.
+        self.lanes = (self.high_stream, stream)
         self.queue_name = f"redis-stream:{stream}"
         self._claim_owned = redis.register_script(_CLAIM_OWNED_LUA)
-        self._reclaim_cursor = "0-0"
+        self._read_lanes = redis.register_script(_READ_LANES_LUA)
+        self._reclaim_cursors = dict.fromkeys(self.lanes, "0-0")
         self._last_reclaim = 0.0
-        ensure_group(redis, stream, group)
+        self._ensure_groups()
+
+    def _ensure_groups(self) -> None:
+        for lane in self.lanes:
+            ensure_group(self.redis, lane, self.group)
+
+    def _message_id(self, lane: str, entry_id: Any) -> str:
+        entry = as_text(entry_id)  # the server made it: ASCII "<ms>-<seq>"
+        return HIGH_LANE_PREFIX + entry if lane == self.high_stream else entry
+
+    def _lane_of(self, message_id: str) -> tuple[str, str]:
+        """(stream, entry id) of a lease's message id."""
+        if message_id.startswith(HIGH_LANE_PREFIX):
+            return self.high_stream, message_id[len(HIGH_LANE_PREFIX) :]
+        return self.stream, message_id
+
+    def _by_lane(self, leases: list[Lease]) -> dict[str, dict[str, Lease]]:
+        """{stream: {entry id: lease}} of the leases."""
+        grouped: dict[str, dict[str, Lease]] = {}
+        for lease in leases:
+            lane, entry_id = self._lane_of(lease.message_id)
+            grouped.setdefault(lane, {})[entry_id] = lease
+        return grouped
 
     # -- lease -------------------------------------------------------------------------------
 
@@ -90,58 +152,83 @@ class RedisStreamSource(JobSource):
         return leases
 
     def _read_new(self, count: int, block_s: float) -> list[Lease]:
-        block_ms = int(block_s * 1000) if block_s > 0 else None
         try:
+            leases = self._read_ready(count)
+            if leases or block_s <= 0:
+                return leases
+            # Nothing ready: wait on both streams at once. One entry per stream, so that at most
+            # one more than asked comes back when both get one in the same instant; the rest of
+            # the count is read at once after the wake-up.
             reply = self.redis.xreadgroup(
-                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+                self.group, self.consumer, dict.fromkeys(self.lanes, ">"), count=1, block=int(block_s * 1000)
             )
         except Exception as exc:
             if not _is_no_group(exc):
                 raise
-            ensure_group(self.redis, self.stream, self.group)
+            self._ensure_groups()
             return []
+        by_lane = {as_text(stream): entries for stream, entries in reply or []}
+        leases = [
+            self._make_lease(lane, entry_id, fields, delivery_count=1)
+            for lane in self.lanes
+            for entry_id, fields in by_lane.get(lane, [])
+        ]
+        if leases and len(leases) < count:
+            leases += self._read_new(count - len(leases), 0.0)
+        return leases
+
+    def _read_ready(self, count: int) -> list[Lease]:
+        """Entries ready now, the lane's first, up to `count`, in one round trip."""
+        reply = self._read_lanes(keys=list(self.lanes), args=[self.group, self.consumer, count])
         leases = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                leases.append(self._make_lease(entry_id, fields, delivery_count=1))
+        for lane_index, entry_id, flat_fields in reply or []:
+            fields = dict(zip(flat_fields[::2], flat_fields[1::2], strict=True))
+            leases.append(self._make_lease(self.lanes[int(lane_index) - 1], entry_id, fields, 1))
         return leases
 
     def _reclaim(self, count: int) -> list[Lease]:
         self._last_reclaim = time.monotonic()
+        leases: list[Lease] = []
+        for lane in self.lanes:
+            if len(leases) < count:
+                leases += self._reclaim_lane(lane, count - len(leases))
+        return leases
+
+    def _reclaim_lane(self, lane: str, count: int) -> list[Lease]:
         min_idle_ms = int(self.lease_timeout_s * 1000)
         try:
-            cursor = self._reclaim_cursor
+            cursor = self._reclaim_cursors[lane]
             reply = self.redis.xautoclaim(
-                self.stream, self.group, self.consumer, min_idle_ms, start_id=cursor, count=count
+                lane, self.group, self.consumer, min_idle_ms, start_id=cursor, count=count
             )
         except Exception as exc:
             if not _is_no_group(exc):
                 raise
-            ensure_group(self.redis, self.stream, self.group)
-            self._reclaim_cursor = "0-0"
+            self._ensure_groups()
+            self._reclaim_cursors = dict.fromkeys(self.lanes, "0-0")
             return []
         cursor, entries = reply[0], reply[1]
-        self._reclaim_cursor = as_text(cursor)
+        self._reclaim_cursors[lane] = as_text(cursor)
         entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
         if not entries:
             return []
         # XAUTOCLAIM does not return delivery counts; XPENDING does (one round trip for all).
         pipe = self.redis.pipeline(transaction=False)
         for entry_id, _ in entries:
-            pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(lane, self.group, min=entry_id, max=entry_id, count=1)
         counts = []
         for info in pipe.execute():
             counts.append(int(info[0]["times_delivered"]) if info else 1)
         return [
-            self._make_lease(entry_id, fields, count)
+            self._make_lease(lane, entry_id, fields, count)
             for (entry_id, fields), count in zip(entries, counts, strict=True)
         ]
 
-    def _make_lease(self, entry_id: Any, fields: dict[Any, Any], delivery_count: int) -> Lease:
+    def _make_lease(self, lane: str, entry_id: Any, fields: dict[Any, Any], delivery_count: int) -> Lease:
         """The lease of one entry, whatever its fields hold: this never raises. An entry whose id
         field cannot name a result is leased with a `rejection` (the worker dead-letters it);
         any other oddity (no body, a body that is not a job) is the worker's to judge."""
-        message_id = as_text(entry_id)  # the server made it: ASCII "<ms>-<seq>"
+        message_id = self._message_id(lane, entry_id)
         body = _field(fields, constants.FIELD_BODY)
         raw_job_id = _field(fields, constants.FIELD_JOB_ID)
         job_id: str | None = None
@@ -156,7 +243,7 @@ class RedisStreamSource(JobSource):
                 if rejection is not None:
                     job_id = None
         # Entry ids start with the server's clock in milliseconds when the entry was added.
-        enqueued_at = int(message_id.split("-")[0]) / 1000.0
+        enqueued_at = int(as_text(entry_id).split("-")[0]) / 1000.0
         return Lease(
             message_id=message_id,
             body=body if isinstance(body, bytes) else str(body or "").encode("utf-8", "backslashreplace"),
@@ -169,27 +256,27 @@ class RedisStreamSource(JobSource):
     # -- holding and letting go --------------------------------------------------------------
 
     def extend(self, leases: list[Lease]) -> list[Lease]:
-        if not leases:
-            return []
-        try:
-            lost = self._claim_owned(
-                keys=[self.stream], args=[self.group, self.consumer, 0, *[le.message_id for le in leases]]
-            )
-        except Exception as exc:
-            if not _is_no_group(exc):
-                raise
-            # The stream is gone (a restart without persistence): so is every lease on it.
-            ensure_group(self.redis, self.stream, self.group)
-            return list(leases)
-        lost_ids = {as_text(x) for x in lost}
-        return [le for le in leases if le.message_id in lost_ids]
+        lost: list[Lease] = []
+        for lane, held in self._by_lane(leases).items():
+            try:
+                lost_ids = self._claim_owned(keys=[lane], args=[self.group, self.consumer, 0, *held])
+            except Exception as exc:
+                if not _is_no_group(exc):
+                    raise
+                # The stream is gone (a restart without persistence): so is every lease on it.
+                self._ensure_groups()
+                lost += held.values()
+                continue
+            lost += [held[as_text(x)] for x in lost_ids]
+        return lost
 
     def ack(self, lease: Lease) -> None:
+        lane, entry_id = self._lane_of(lease.message_id)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xack(self.stream, self.group, lease.message_id)
+        pipe.xack(lane, self.group, entry_id)
         # Acked entries are deleted so that the stream does not grow without bound. (A second
         # consumer group on the same stream would need them kept; qworker uses one group.)
-        pipe.xdel(self.stream, lease.message_id)
+        pipe.xdel(lane, entry_id)
         try:
             pipe.execute()
         except Exception as exc:
@@ -197,21 +284,19 @@ class RedisStreamSource(JobSource):
                 raise  # with no group, the entry is gone: nothing left to ack
 
     def release(self, leases: list[Lease]) -> None:
-        if leases:
+        for lane, held in self._by_lane(leases).items():
             try:
-                self._claim_owned(
-                    keys=[self.stream],
-                    args=[self.group, self.consumer, RELEASED_IDLE_MS, *[le.message_id for le in leases]],
-                )
+                self._claim_owned(keys=[lane], args=[self.group, self.consumer, RELEASED_IDLE_MS, *held])
             except Exception as exc:
                 if not _is_no_group(exc):
                     raise
 
     def dead_letter(self, lease: Lease, reason: str) -> None:
+        lane, entry_id = self._lane_of(lease.message_id)
         pipe = self.redis.pipeline(transaction=True)
         entry = {
-            "source_stream": self.stream,
-            "message_id": lease.message_id,
+            "source_stream": lane,
+            "message_id": entry_id,
             # The reason may quote the input, which may not be valid Unicode.
             "reason": reason.encode("utf-8", "backslashreplace"),
             "delivery_count": lease.delivery_count,
@@ -220,18 +305,22 @@ class RedisStreamSource(JobSource):
         if lease.job_id is not None:
             entry[constants.FIELD_JOB_ID] = lease.job_id
         pipe.xadd(self.dead_letter_stream, entry, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-        pipe.xack(self.stream, self.group, lease.message_id)
-        pipe.xdel(self.stream, lease.message_id)
+        pipe.xack(lane, self.group, entry_id)
+        pipe.xdel(lane, entry_id)
         pipe.execute()
 
     # -- stats -------------------------------------------------------------------------------
 
     def num_pending(self) -> int | None:
-        summary = self.redis.xpending(self.stream, self.group)
-        for consumer in summary.get("consumers") or []:
-            if as_text(consumer["name"]) == self.consumer:
-                return int(consumer["pending"])
-        return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in self.lanes:
+            pipe.xpending(lane, self.group)
+        total = 0
+        for summary in pipe.execute():
+            for consumer in summary.get("consumers") or []:
+                if as_text(consumer["name"]) == self.consumer:
+                    total += int(consumer["pending"])
+        return total
 
     def close(self) -> None:
         self.redis.close()
@@ -257,22 +346,42 @@ def ensure_group(redis: Any, stream: str, group: str) -> None:
 
 class RedisStreamProducer(JobProducer):
     def __init__(
-        self, redis: Any, *, stream: str = constants.DEFAULT_STREAM, group: str = constants.DEFAULT_GROUP
+        self,
+        redis: Any,
+        *,
+        stream: str = constants.DEFAULT_STREAM,
+        group: str = constants.DEFAULT_GROUP,
+        high_lane_max_priority: int | None = None,
     ):
         self.redis = redis
         self.stream = stream
         self.group = group
-        # The group exists before the first job, so that no job predates it unseen.
-        ensure_group(redis, stream, group)
+        self.high_stream = constants.high_lane_stream(stream)
+        # Jobs of this priority or lower go to the priority lane; None: every job to the stream.
+        self.high_lane_max_priority = high_lane_max_priority
+        # The groups exist before the first job, so that no job predates them unseen.
+        for lane in (self.high_stream, stream):
+            ensure_group(redis, lane, group)
+
+    def _lane(self, job: OutgoingJob) -> str:
+        limit = self.high_lane_max_priority
+        return self.high_stream if limit is not None and job.priority <= limit else self.stream
 
     def send(self, jobs: list[OutgoingJob]) -> list[str]:
+        lanes = [self._lane(job) for job in jobs]
         pipe = self.redis.pipeline(transaction=False)
-        for job in jobs:
-            pipe.xadd(self.stream, {constants.FIELD_JOB_ID: job.job_id, constants.FIELD_BODY: job.body})
-        return [as_text(x) for x in pipe.execute()]
+        for job, lane in zip(jobs, lanes, strict=True):
+            pipe.xadd(lane, {constants.FIELD_JOB_ID: job.job_id, constants.FIELD_BODY: job.body})
+        return [
+            HIGH_LANE_PREFIX + as_text(x) if lane == self.high_stream else as_text(x)
+            for x, lane in zip(pipe.execute(), lanes, strict=True)
+        ]
 
     def queue_depth(self) -> int | None:
-        return int(self.redis.xlen(self.stream))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(self.high_stream)
+        pipe.xlen(self.stream)
+        return sum(int(n) for n in pipe.execute())
 
     def close(self) -> None:
         self.redis.close()
@@ -307,4 +416,5 @@ def open_producer(url: str, payload_location: str | None) -> RedisStreamProducer
         redis_client(parsed.connection_url),
         stream=parsed.params.get("stream", constants.DEFAULT_STREAM),
         group=parsed.params.get("group", constants.DEFAULT_GROUP),
+        high_lane_max_priority=url_integer(parsed.params, "high_lane_max_priority"),
     )
