@@ -66,18 +66,26 @@ def time_generate(config: EngineConfig, requests: list[BenchRequest]) -> dict[st
     outputs = llm.generate(prompts, [sampling_params_for(r) for r in requests])
     wall_s = time.perf_counter() - started
     num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-    return {"wall_s": wall_s, "output_tokens": num_tokens, "output_throughput": num_tokens / wall_s}
+    return {
+        "wall_s": wall_s,
+        "output_tokens": num_tokens,
+        "output_throughput": num_tokens / wall_s,
+        "preemptions": llm.llm_engine.scheduler.num_preemptions,
+    }
 
 
 def time_batch(run: BatchRun, config: EngineConfig, local: bool) -> dict[str, float]:
     engine = warm_llm(config).llm_engine if local else None
     summary = run_batch(run, config, engine=engine)
     assert summary.num_failed == 0, summary.to_text()
-    return {
+    result = {
         "wall_s": summary.wall_s,
         "output_tokens": summary.num_completion_tokens,
         "output_throughput": summary.output_throughput,
     }
+    if engine is not None:
+        result["preemptions"] = engine.scheduler.num_preemptions
+    return result
 
 
 def main() -> None:
@@ -148,6 +156,7 @@ def main() -> None:
         print(
             f"{name:34} {result['output_throughput']:8.1f} output tok/s  "
             f"({result['wall_s']:.1f} s, {result['output_tokens']:.0f} tokens)  {ratio:.2f}x LLM.generate"
+            + (f"  {result['preemptions']:.0f} preemptions" if "preemptions" in result else "")
         )
     if args.json is not None:
         args.json.write_text(
