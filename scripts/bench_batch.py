@@ -8,7 +8,8 @@ ids, outputs forced to their length with ignore_eos) are written as a JSONL batc
 /v1/completions rows. Three runs, each warmed up first and timed without the model's loading:
 LLM.generate on all requests at once; `qworker batch` in this process (local mode); and
 `qworker batch --queue` across a pool of one `qworker worker` subprocess on a fresh Redis stream.
-Prints output tok/s for each and the ratios to LLM.generate.
+Prints output tok/s for each and the ratios to LLM.generate; with --repeats N, N interleaved
+rounds and the median of each system.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-pool", action="store_true", help="no run across a one-worker pool")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of all systems, interleaved")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -113,7 +116,11 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     print(f"workload {spec.name}: {len(requests)} rows, {sum(r.output_len for r in requests)} output tokens")
-    results: dict[str, dict[str, float]] = {"LLM.generate": time_generate(config, requests)}
+    # Rounds interleave the systems (generate, local, pool, then again), so that a machine whose
+    # speed drifts during the run (a shared host) slows each of them alike. Every run gets a fresh
+    # engine (the pool a fresh worker process), so no prefix-cache hits carry over from a previous
+    # round of the same requests.
+    rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="qworker-bench-batch-") as folder:
         work = Path(folder)
         source = work / "in.jsonl"
@@ -122,7 +129,7 @@ def main() -> None:
         def batch_run(name: str, queue: str | None = None) -> BatchRun:
             return BatchRun(
                 input=str(source),
-                output=str(work / f"{name}.jsonl"),
+                output=str(work / f"{name}-{time.time_ns()}.jsonl"),
                 queue=queue,
                 served_model_names=[MODEL_NAME],
                 batch_id=f"bench-{name}-{time.time_ns()}",
@@ -130,37 +137,64 @@ def main() -> None:
                 progress=ProgressMode.NONE,
             )
 
-        results["qworker batch"] = time_batch(batch_run("local"), config, local=True)
-        if not args.skip_pool:
-            system = QueueClientSystem(
-                "pool-1",
-                None,
-                work,
-                config.model,
-                config.dtype,
-                config.device,
-                config_to_args(config, exclude=("model", "dtype", "device")),
-                stream=False,
-            )
-            system.prepare()
-            try:
-                warm_up(system)
-                results["qworker batch --queue (1 worker)"] = time_batch(
-                    batch_run("pool", system.url), config, local=False
+        for number in range(1, args.repeats + 1):
+            results = {"LLM.generate": time_generate(config, requests)}
+            results["qworker batch"] = time_batch(batch_run("local"), config, local=True)
+            if not args.skip_pool:
+                results["qworker batch --queue (1 worker)"] = time_pool(
+                    config, work, lambda url: batch_run("pool", url)
                 )
-            finally:
-                system.close()
+            rounds.append(results)
+            print(f"round {number} of {args.repeats}")
+            report(results)
+    summary = {name: median_run([r[name] for r in rounds]) for name in rounds[0]}
+    if args.repeats > 1:
+        print(f"median of {args.repeats} rounds")
+        report(summary)
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {"workload": spec.name, "num_rows": len(requests), "median": summary, "rounds": rounds},
+                indent=2,
+            )
+        )
+
+
+def time_pool(config: EngineConfig, work: Path, make_run: Callable[[str], BatchRun]) -> dict[str, float]:
+    """`qworker batch --queue` across one fresh `qworker worker` subprocess on a fresh stream."""
+    system = QueueClientSystem(
+        "pool-1",
+        None,
+        work,
+        config.model,
+        config.dtype,
+        config.device,
+        config_to_args(config, exclude=("model", "dtype", "device")),
+        stream=False,
+    )
+    system.prepare()
+    try:
+        warm_up(system)
+        return time_batch(make_run(system.url), config, local=False)
+    finally:
+        system.close()
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run with the median throughput (of an even count, the lower middle one)."""
+    ordered = sorted(runs, key=lambda run: run["output_throughput"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def report(results: dict[str, dict[str, float]]) -> None:
     baseline = results["LLM.generate"]["output_throughput"]
     for name, result in results.items():
         ratio = result["output_throughput"] / baseline
         print(
             f"{name:34} {result['output_throughput']:8.1f} output tok/s  "
             f"({result['wall_s']:.1f} s, {result['output_tokens']:.0f} tokens)  {ratio:.2f}x LLM.generate"
-            + (f"  {result['preemptions']:.0f} preemptions" if "preemptions" in result else "")
-        )
-    if args.json is not None:
-        args.json.write_text(
-            json.dumps({"workload": spec.name, "num_rows": len(requests), "runs": results}, indent=2)
+            + (f"  {result['preemptions']:.0f} preemptions" if "preemptions" in result else ""),
+            flush=True,
         )
 
 
