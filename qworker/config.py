@@ -15,7 +15,8 @@ DTYPE_ALIASES = {
     "float16": "float16",
     "fp16": "float16",
 }
-# The sampler's generator takes a signed 64-bit seed.
+# Seeds (the engine's and each request's) are signed 64-bit integers: what
+# torch.Generator.manual_seed takes, and what an int64 in any producer's language holds.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**63 - 1
 

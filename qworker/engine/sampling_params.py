@@ -3,15 +3,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from qworker.config import MAX_SEED, MIN_SEED
 from qworker.errors import InvalidParamsError
 
 # Far past any context we can hold; rejects absurd values early with a clear message. A request
 # still ends at the model's context (finish_reason "length"), whatever max_tokens says.
 MAX_TOKENS_LIMIT = 1_000_000
-# Seeds are signed 64-bit integers: what torch.Generator.manual_seed takes, and what an int64 in
-# any producer's language holds.
-MIN_SEED = -(2**63)
-MAX_SEED = 2**63 - 1
 # Temperatures between 0 and this are raised to it, as vLLM does: dividing float32 logits by a
 # smaller one overflows to inf, and the softmax of a row with infs is NaN.
 MIN_SAMPLING_TEMPERATURE = 1e-2
