@@ -33,15 +33,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from qworker.errors import QworkerError
 from qworker.worker.sinks.base import ResultSink
 from qworker.worker.sources.base import JobProducer, JobSource
+
+T = TypeVar("T")
 
 # URL scheme -> the module that opens it, imported on first use.
 QUEUE_BACKENDS: dict[str, str] = {
@@ -261,23 +263,24 @@ def reject_unknown_params(
     )
 
 
-def url_number(params: dict[str, str], name: str, default: float) -> float:
+def _url_value(params: dict[str, str], name: str, parse: Callable[[str], T], what: str) -> T | None:
+    """URL parameter `name` parsed by `parse`; None when absent."""
     if name not in params:
-        return default
+        return None
     try:
-        return float(params[name])
+        return parse(params[name])
     except ValueError:
-        raise InvalidURLError(f"URL parameter {name}={params[name]!r} is not a number") from None
+        raise InvalidURLError(f"URL parameter {name}={params[name]!r} is not {what}") from None
+
+
+def url_number(params: dict[str, str], name: str, default: float) -> float:
+    value = _url_value(params, name, float, "a number")
+    return default if value is None else value
 
 
 def url_integer(params: dict[str, str], name: str) -> int | None:
     """An optional integer URL parameter; None when absent."""
-    if name not in params:
-        return None
-    try:
-        return int(params[name])
-    except ValueError:
-        raise InvalidURLError(f"URL parameter {name}={params[name]!r} is not an integer") from None
+    return _url_value(params, name, int, "an integer")
 
 
 def url_flag(params: dict[str, str], name: str, default: bool) -> bool:

@@ -468,17 +468,6 @@ class Worker:
 
     # -- resolving jobs ----------------------------------------------------------------------
 
-    def _result(
-        self,
-        job_id: str,
-        job: Job | None,
-        lease: Lease,
-        status: JobStatus,
-        error: JobError | None,
-        output: RequestOutput | None,
-    ) -> JobResult:
-        return build_result(job_id, job, lease, status, error, output, self.name)
-
     def _store_and_ack(self, result: JobResult, leases: list[Lease]) -> None:
         """The one place a job ends: its result is stored, and only then is its message acked."""
         if self.settings.log_payloads:
@@ -493,13 +482,13 @@ class Worker:
         self._held.pop(held.job.id, None)
         if output is not None:
             self.metrics.observe_preemptions(output.num_preemptions)
-        result = self._result(held.job.id, held.job, held.lease, status, error, output)
+        result = build_result(held.job.id, held.job, held.lease, status, error, output, self.name)
         self._store_and_ack(result, [held.lease, *held.extra_leases])
 
     def _finish_without_engine(
         self, lease: Lease, job_id: str, job: Job | None, status: JobStatus, error: JobError | None
     ) -> None:
-        self._store_and_ack(self._result(job_id, job, lease, status, error, None), [lease])
+        self._store_and_ack(build_result(job_id, job, lease, status, error, None, self.name), [lease])
 
     def _fail(self, lease: Lease, job_id: str, job: Job | None, error_type: str, message: str) -> None:
         # The message may quote the input (a validation error shows the offending value).
@@ -514,7 +503,7 @@ class Worker:
     def _fail_and_dead_letter(self, lease: Lease, job_id: str, error_type: str, reason: str) -> None:
         error = JobError(type=error_type, message=reason)
         # The result first, so that a client waiting on this id hears why; then the message moves.
-        result = self._result(job_id, None, lease, JobStatus.FAILED, error, None)
+        result = build_result(job_id, None, lease, JobStatus.FAILED, error, None, self.name)
         self._dead_letter(lease, error_type, reason, result)
 
     def _dead_letter(self, lease: Lease, kind: str, reason: str, result: JobResult | None = None) -> None:
