@@ -163,3 +163,59 @@ def test_pool_demand_counts_waiting_and_held_lane_jobs(url):
     assert [le.job_id for le in source.lease(1, 0.0)] == ["urgent0"]
     work = backlog.read(live_workers={"w1"})
     assert (work.waiting.num_jobs, work.in_flight.num_jobs) == (2, 1)
+
+
+def test_hostile_entries_in_the_lane_are_each_answered_and_the_good_ones_run(url):
+    """Whatever a producer writes straight into the lane, the worker reading it first neither
+    stops nor stalls: each entry gets its one outcome (a result, or a dead letter with a reason)."""
+    from qworker.worker.connections import open_sink
+    from qworker.worker.fake_engine import FakeEngine
+    from qworker.worker.jobs import JobStatus
+    from qworker.worker.loop import Worker
+    from qworker.worker.settings import WorkerSettings
+
+    redis = redis_lib.Redis.from_url(url.split("?")[0])
+    stream = stream_of(url)
+    lane = constants.high_lane_stream(stream)
+    good = {"id": "good", "prompt_token_ids": [5, 6, 7], "params": {"max_tokens": 3}}
+    entries = [
+        # The body's id gets the failed result (Rejected), as on the stream itself.
+        {constants.FIELD_JOB_ID: b"\xff\xfe-not-utf8", constants.FIELD_BODY: json.dumps(
+            {**good, "id": "bad-id"}
+        ).encode()},
+        {constants.FIELD_JOB_ID: "bad-json", constants.FIELD_BODY: b"\xff{not json"},
+        {constants.FIELD_JOB_ID: "absurd", constants.FIELD_BODY: json.dumps(
+            {"id": "absurd", "prompt": "x", "priority": 10**30, "params": {"max_tokens": -5}}
+        ).encode()},
+        {"unrelated": "field"},
+        {constants.FIELD_JOB_ID: "good", constants.FIELD_BODY: json.dumps(good).encode()},
+    ]  # fmt: skip
+    for fields in entries:
+        redis.xadd(lane, fields)
+    redis.xadd(stream, {constants.FIELD_JOB_ID: "main", constants.FIELD_BODY: json.dumps(
+        {**good, "id": "main"}
+    ).encode()})  # fmt: skip
+
+    worker = Worker(
+        FakeEngine(),
+        open_source(url, consumer="w"),
+        open_sink(url),
+        WorkerSettings(name="w", max_backlog=4, poll_interval_s=0.01),
+    )
+    stats = worker.run(burst=True)
+    sink = open_sink(url)
+    assert sink.get_result("good").status is JobStatus.COMPLETED
+    assert sink.get_result("main").status is JobStatus.COMPLETED
+    assert sink.get_result("absurd").status is JobStatus.FAILED
+    assert sink.get_result("bad-json").status is JobStatus.FAILED
+    rejected = sink.get_result("bad-id")
+    assert rejected.status is JobStatus.FAILED and rejected.error.type == "Rejected"
+    assert stats.num_completed == 2
+    # Nothing is left in either stream or pending. Invalid jobs get failed results; the two
+    # entries that name no usable id (id not UTF-8, no id or body at all) are dead letters too.
+    assert redis.xlen(lane) == 0 and redis.xlen(stream) == 0
+    for key in (lane, stream):
+        assert int(redis.xpending(key, "g")["pending"]) == 0
+    letters = open_redis(url).read()
+    assert len(letters) == 2, letters
+    assert all(d.reason and d.source == lane for d in letters)
