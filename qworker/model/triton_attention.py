@@ -41,6 +41,9 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv are fine) -> [T, H, D]."""
         self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
