@@ -3,10 +3,14 @@ collected from the result store.
 
 A row's job id is derived from the batch id and its custom_id (rows.request_id_for), and the ids
 sent are appended to a journal beside the output once the queue took them. A rerun enqueues only
-rows that no run has enqueued, and collects the rest from the store, including rows that
-finished while no runner was there. The one gap: a runner killed after the queue took a send and
-before the journal recorded it enqueues those rows again on the rerun; a worker that takes the
-second message after the first one's result is stored acks it without running it.
+rows that no run has enqueued and whose results are not in the store (a rerun into a new output
+file has a new journal, and must not put finished rows on the queue again: those entries would
+count toward the queue depth that autoscalers read). It collects the rest from the store,
+including rows that finished while no runner was there; rows whose results were stored before
+this run are counted as collected, not as generated. The one gap: a runner killed after the
+queue took a send and before the journal recorded it enqueues those rows again on the rerun; a
+worker that takes the second message after the first one's result is stored acks it without
+running it.
 """
 
 from __future__ import annotations
@@ -191,6 +195,8 @@ class PoolRunner:
         self.max_pending = max_pending
         self._pending: dict[str, RowRequest] = {}
         self._to_send: list[Job] = []
+        # Rows whose results were in the store before this run sent anything for them.
+        self._collected: set[str] = set()
         self._poll_s = MIN_POLL_S
         self.num_enqueued = 0
 
@@ -208,6 +214,8 @@ class PoolRunner:
                     continue
                 if len(self._to_send) >= SEND_CHUNK:
                     self._send()
+            elif self.client.sink.has_result(item.request_id):
+                self._collected.add(item.request_id)
             self._pending[item.request_id] = item
             while len(self._pending) >= self.max_pending:
                 self._send()
@@ -219,10 +227,17 @@ class PoolRunner:
     def _send(self) -> None:
         if not self._to_send:
             return
-        job_ids = self.client.submit_many(self._to_send)
+        stored = {
+            job.id for job in self._to_send if job.id is not None and self.client.sink.has_result(job.id)
+        }
+        self._collected |= stored
+        to_send = [job for job in self._to_send if job.id not in stored]
+        self._to_send = []
+        if not to_send:
+            return
+        job_ids = self.client.submit_many(to_send)
         self.journal.add(job_ids)
         self.num_enqueued += len(job_ids)
-        self._to_send = []
 
     def _wait_and_collect(self) -> None:
         time.sleep(self._poll_s)
@@ -233,7 +248,12 @@ class PoolRunner:
                 continue
             row = self._pending.pop(request_id)
             line, num_prompt, num_completion = line_of_result(row, result)
-            self._write(line, line.response.status_code if line.response else 500, num_prompt, num_completion)
+            status_code = line.response.status_code if line.response else 500
+            if request_id in self._collected:
+                self.output.write(line)
+                self.progress.row_done(status_code, collected=True)
+            else:
+                self._write(line, status_code, num_prompt, num_completion)
             num_found += 1
         self._poll_s = MIN_POLL_S if num_found else min(MAX_POLL_S, self._poll_s * 1.5)
         self.progress.tick()

@@ -35,6 +35,9 @@ class BatchSummary:
     num_completion_tokens: int = 0
     # Pool mode: jobs this run put on the queue (a rerun enqueues only rows no run enqueued).
     num_enqueued: int | None = None
+    # Pool mode: rows whose results were stored before this run: collected, not generated, so
+    # their tokens are not in the token counts or the throughput.
+    num_collected: int = 0
     wall_s: float = 0.0
 
     @property
@@ -54,10 +57,10 @@ class BatchSummary:
             + (f" ({codes})" if codes else ""),
         ]
         if self.num_enqueued is not None:
-            parts.append(f"{self.num_enqueued} enqueued")
+            parts.append(f"{self.num_enqueued} enqueued, {self.num_collected} collected from earlier runs")
         rate = self.num_run / self.wall_s if self.wall_s > 0 else 0.0
         parts.append(
-            f"{self.num_prompt_tokens} prompt + {self.num_completion_tokens} completion tokens in "
+            f"{self.num_prompt_tokens} prompt + {self.num_completion_tokens} completion tokens generated in "
             f"{self.wall_s:.1f} s: {self.output_throughput:.1f} output tok/s, {rate:.2f} rows/s"
         )
         return "qworker batch: " + "; ".join(parts)
@@ -93,9 +96,18 @@ class Progress:
                 total=self.summary.num_to_run, unit="row", desc="batch", file=self.stream, dynamic_ncols=True
             )
 
-    def row_done(self, status_code: int, num_prompt_tokens: int = 0, num_completion_tokens: int = 0) -> None:
+    def row_done(
+        self,
+        status_code: int,
+        num_prompt_tokens: int = 0,
+        num_completion_tokens: int = 0,
+        *,
+        collected: bool = False,
+    ) -> None:
+        """A row has its line. `collected`: its result was stored before this run (tokens not counted)."""
         s = self.summary
         s.num_run += 1
+        s.num_collected += collected
         s.status_codes[status_code] += 1
         if status_code >= 400:
             s.num_failed += 1
@@ -123,10 +135,11 @@ class Progress:
         if s.num_run:
             eta = f", ETA {(s.num_to_run - s.num_run) * elapsed / s.num_run:.0f} s"
         logger.info(
-            "batch progress: %d/%d rows (%d failed), %.1f output tok/s%s",
+            "batch progress: %d/%d rows (%d failed, %d collected from earlier runs), %.1f output tok/s%s",
             s.num_run,
             s.num_to_run,
             s.num_failed,
+            s.num_collected,
             s.num_completion_tokens / elapsed if elapsed > 0 else 0.0,
             eta,
         )

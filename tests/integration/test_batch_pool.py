@@ -139,6 +139,15 @@ def test_200_mixed_rows_across_two_workers_give_llm_generate_texts(
     assert {r.attempts for r in results} == {1}
     assert entries_added(pool_url) - num_enqueued_before == 200
     assert not list((tmp_path / "work").glob("*.submitted")), "the journal of sent rows goes with the batch"
+    # The same batch into a new output file (so with no journal): every row is collected from the
+    # store and none goes on the queue again, where it would count toward the autoscaler's depth.
+    again = tmp_path / "again.jsonl"
+    rerun = invoke(pool_url, tmp_path, "-i", str(source), "-o", str(again), "--batch-id", "whole")
+    assert rerun.exit_code == 0, rerun.output
+    assert "200 run: 200 ok, 0 failed; 0 enqueued, 200 collected from earlier runs" in rerun.stderr
+    assert "0 completion tokens generated" in rerun.stderr
+    assert entries_added(pool_url) - num_enqueued_before == 200
+    assert_matches_reference(read_output(again), ROWS, reference)
 
 
 @pytest.mark.slow

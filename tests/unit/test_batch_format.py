@@ -494,8 +494,21 @@ def test_progress_counts_rows_and_logs_lines_off_a_terminal(caplog):
         progress.row_done(200, 10, 5)
         progress.row_done(404)
     done = progress.close()
-    assert "batch progress: 2/6 rows (1 failed)" in caplog.text and "ETA" in caplog.text
+    assert "batch progress: 2/6 rows (1 failed, 0 collected" in caplog.text and "ETA" in caplog.text
     assert (done.num_run, done.num_failed, done.num_completion_tokens) == (2, 1, 5)
     text = done.to_text()
     assert "10 rows; 4 already in the output; 2 run: 1 ok, 1 failed (404: 1)" in text
     assert "10 prompt + 5 completion tokens" in text
+
+
+@pytest.mark.timeout(10)
+def test_rows_collected_from_an_earlier_run_are_not_counted_as_generated_tokens():
+    summary = BatchSummary(num_input_rows=3, num_already_done=0, num_enqueued=1)
+    progress = Progress(summary, ProgressMode.NONE)
+    progress.start()
+    progress.row_done(200, 10, 5)
+    progress.row_done(200, collected=True)
+    progress.row_done(200, collected=True)
+    done = progress.close()
+    assert (done.num_run, done.num_collected, done.num_completion_tokens) == (3, 2, 5)
+    assert "1 enqueued, 2 collected from earlier runs" in done.to_text()
