@@ -2,8 +2,9 @@
 
 The library is compiled with the system C compiler (``$CC`` or ``gcc``, ``-O3 -march=native
 -fopenmp`` plus the kernel's own flags) into ``$QWORKER_CACHE_DIR/kernels/<hash>/`` (default
-``~/.cache/qworker``) and loaded with ctypes. The hash covers the source, the flags, the compiler
-version and the CPU, so a cache shared between machines never hands one a library built for
+``~/.cache/qworker``) and loaded with ctypes. The hash covers the source and every header it
+includes with quotes (cpu_simd.h), the flags, the compiler version and the CPU, so a changed header
+rebuilds its kernels and a cache shared between machines never hands one a library built for
 another. Where the compiler has no OpenMP the kernel is built without it and runs on one thread.
 Its library resolves ``libgomp.so.1`` to the copy torch already loaded, so both share one thread
 pool.
@@ -16,13 +17,17 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+_QUOTED_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 BASE_CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 OPENMP_FLAG = "-fopenmp"
@@ -64,12 +69,35 @@ def _compile(compiler: str, flags: Sequence[str], source: Path, target: Path) ->
             os.unlink(tmp)
 
 
-def _build_and_load(compiler: str, version: str, flags: Sequence[str], source: Path) -> ctypes.CDLL:
+def source_closure(source: Path) -> list[Path]:
+    """`source` and every file it includes with quotes, recursively, resolved beside the including
+    file (as the compiler resolves them); sorted after the source, so the order is stable."""
+    seen: dict[Path, None] = {}
+    pending = [source]
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen[path] = None
+        for name in _QUOTED_INCLUDE.findall(path.read_bytes()):
+            included = path.parent / name.decode()
+            if included.exists():  # a missing header fails the compile, with the compiler's message
+                pending.append(included)
+    return [source, *sorted(p for p in seen if p != source)]
+
+
+def build_key(source: Path, flags: Sequence[str], compiler_version: str) -> str:
+    """The cache key of `source` built with `flags` by this compiler on this CPU."""
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode(), cpu_fingerprint().encode()):
+    parts = [path.name.encode() + b"\0" + path.read_bytes() for path in source_closure(source)]
+    for part in (*parts, " ".join(flags).encode(), compiler_version.encode(), cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
-    target = cache_root() / key.hexdigest()[:24] / source.with_suffix(".so").name
+    return key.hexdigest()[:24]
+
+
+def _build_and_load(compiler: str, version: str, flags: Sequence[str], source: Path) -> ctypes.CDLL:
+    target = cache_root() / build_key(source, flags, version) / source.with_suffix(".so").name
     if target.exists():
         try:
             return ctypes.CDLL(str(target))
@@ -100,3 +128,60 @@ def load_c_library(source: Path, extra_flags: Sequence[str] = ()) -> ctypes.CDLL
             logger.warning("%s build failed with %s: %s", name, " ".join(flags), e)
     logger.warning("%s uses its torch fallback", name)
     return None
+
+
+class CKernelLibrary:
+    """One C source of this folder, built and loaded at first use, with the ctypes argument types of
+    the functions it exports (each returns an int status: 0, or a code that `errors` explains).
+
+    Loading happens once per process (under a lock: the engine and helper threads may ask at once);
+    when it fails, every later call sees None, and callers take their torch path.
+    """
+
+    def __init__(
+        self,
+        source_name: str,
+        signatures: Mapping[str, Sequence[type]],
+        errors: Mapping[int, tuple[type[Exception], str]],
+        extra_flags: Sequence[str] = (),
+    ) -> None:
+        self.source = Path(__file__).with_name(source_name)
+        self.signatures = dict(signatures)
+        self.errors = dict(errors)
+        self.extra_flags = tuple(extra_flags)
+        self._lock = threading.Lock()
+        self._is_loaded = False
+        self._library: ctypes.CDLL | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library, or None (with a warning, once) when it cannot be built."""
+        with self._lock:
+            if not self._is_loaded:
+                self._library = self._load()
+                self._is_loaded = True
+            return self._library
+
+    def _load(self) -> ctypes.CDLL | None:
+        lib = load_c_library(self.source, self.extra_flags)
+        if lib is None:
+            return None
+        for name, argtypes in self.signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes = list(argtypes)
+            fn.restype = ctypes.c_int
+        return lib
+
+    def is_available(self) -> bool:
+        return self.get() is not None
+
+    def require(self) -> ctypes.CDLL:
+        lib = self.get()
+        if lib is None:
+            raise RuntimeError(f"the C kernel {self.source.name} could not be built; use the torch path")
+        return lib
+
+    def check(self, caller: str, status: int) -> None:
+        """Raises the error that `status` (a return code of the library) stands for."""
+        if status != 0:
+            error, message = self.errors.get(status, (RuntimeError, f"error code {status}"))
+            raise error(f"{caller}: {message}")

@@ -22,34 +22,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 enum { QW_OK = 0, QW_BAD_POSITION = 1 };
 
-// Round to nearest even, as torch does; NaN stays NaN.
-static inline uint16_t to_bf16(float f) {
-    uint32_t w;
-    memcpy(&w, &f, sizeof w);
-    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u);
-    w += 0x7fffu + ((w >> 16) & 1u);
-    return (uint16_t)(w >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    const uint32_t w = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
 // x rounded to bf16 and back (the value torch holds after storing x in a bf16 tensor).
-static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 static inline float load(const void *p, int64_t i, int bf16) {
-    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store(void *p, int64_t i, float x, int bf16) {
     if (bf16)
-        ((uint16_t *)p)[i] = to_bf16(x);
+        ((uint16_t *)p)[i] = f32_to_bf16(x);
     else
         ((float *)p)[i] = x;
 }

@@ -12,47 +12,34 @@ docs/BENCHMARKS.md (CPU engine against vLLM's CPU build).
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import torch
-from qworker_kernels.cpu_build import load_c_library
+from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = ["fused_add_rms_norm", "is_available", "rms_norm", "rotary", "silu_and_mul"]
 
-_SOURCE = Path(__file__).with_name("cpu_fused_ops.c")
 _DTYPES = (torch.float32, torch.bfloat16)
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-@functools.lru_cache(maxsize=1)
-def _load_library() -> ctypes.CDLL | None:
-    # No FMA contraction: a * b - c * d must round as torch rounds it.
-    lib = load_c_library(_SOURCE, extra_flags=("-ffp-contract=off",))
-    if lib is None:
-        return None
-    signatures = {
+_LIBRARY = CKernelLibrary(
+    "cpu_fused_ops.c",
+    {
         "qw_rms_norm": [_P, _I64, _P, _P, _P, _I64, _I64, _F, _I, _I, _I],
         "qw_rotary": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I, _I],
         "qw_silu_and_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
-    }
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
-    return lib
+    },
+    errors={1: (ValueError, "a position is outside the rotary tables")},
+    # No FMA contraction: a * b - c * d must round as torch rounds it.
+    extra_flags=("-ffp-contract=off",),
+)
 
 
 def is_available() -> bool:
     """True when the C kernels are built (or can be built now) and loaded."""
-    return _load_library() is not None
+    return _LIBRARY.is_available()
 
 
 def _lib() -> ctypes.CDLL:
-    lib = _load_library()
-    if lib is None:
-        raise RuntimeError("the CPU fused-ops library could not be built; use the torch ops")
-    return lib
+    return _LIBRARY.require()
 
 
 def _check_rows(name: str, t: torch.Tensor, dtype: torch.dtype, width: int) -> None:

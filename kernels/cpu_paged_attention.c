@@ -32,9 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+#include "cpu_simd.h"
 
 // Tokens per online-softmax step: 32 beat 8 and 64 with K/V in cache (per-chunk max, exp and
 // rescale are amortised) and tie with them from DRAM. A multiple of 8 (the score tiles).
@@ -48,14 +46,6 @@ enum {
     QW_BAD_SHAPE = 3,
     QW_NO_MEMORY = 4,
 };
-
-static inline v8f loadu(const float *p) {
-    v8f r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline void storeu(float *p, v8f x) { memcpy(p, &x, sizeof x); }
 
 // bf16 is the top half of an fp32. Read 16 bf16 as 8 uint32 lanes, each holding elements 2i (low
 // half) and 2i+1 (high half): a shift gives the even elements as fp32 and a mask the odd ones, with
@@ -75,37 +65,9 @@ static inline __attribute__((always_inline)) void load16(const void *row, int64_
     if (bf16) {
         load_bf16x16_split((const uint16_t *)row + d, a, b);
     } else {
-        *a = loadu((const float *)row + d);
-        *b = loadu((const float *)row + d + 8);
+        *a = loadu8((const float *)row + d);
+        *b = loadu8((const float *)row + d + 8);
     }
-}
-
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-static inline v8f vmax(v8f a, v8f b) {
-    v8i m = a > b;
-    return (v8f)(((v8i)a & m) | ((v8i)b & ~m));
-}
-
-// exp(x) for x <= 0 (the argument is always score - running max). Cephes expf polynomial after
-// Cody-Waite range reduction; about 2 ulp. Inputs below -87 are clamped (result ~1e-38).
-static inline v8f vexp_nonpos(v8f x) {
-    const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-    x = vmax(x, splat(-87.0f));
-    v8f t = x * splat(1.44269504088896341f) + magic;
-    v8i n = (v8i)t - (v8i)magic;
-    v8f r = t - magic;
-    v8f f = x - r * splat(0.693359375f);
-    f = f - r * splat(-2.12194440e-4f);
-    v8f p = splat(1.9875691500e-4f);
-    p = p * f + splat(1.3981999507e-3f);
-    p = p * f + splat(8.3334519073e-3f);
-    p = p * f + splat(4.1665795894e-2f);
-    p = p * f + splat(1.6666665459e-1f);
-    p = p * f + splat(5.0000001201e-1f);
-    p = p * f * f + f + splat(1.0f);
-    v8i pow2n = (n + 127) << 23;
-    return p * (v8f)pow2n;
 }
 
 // Sums of 8 vectors, one per lane: lane i of the result is the sum of a[i]'s lanes.
@@ -121,31 +83,6 @@ static inline v8f transpose_sum8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5,
     const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11};
     const v8i hi = {4, 5, 6, 7, 12, 13, 14, 15};
     return __builtin_shuffle(h0123, h4567, lo) + __builtin_shuffle(h0123, h4567, hi);
-}
-
-static inline float hsum(v8f x) {
-    const v8i hi = {4, 5, 6, 7, 0, 1, 2, 3}, odd = {1, 0, 3, 2, 5, 4, 7, 6}, pair = {2, 3, 0, 1, 6, 7, 4, 5};
-    x += __builtin_shuffle(x, hi);
-    x += __builtin_shuffle(x, pair);
-    x += __builtin_shuffle(x, odd);
-    return x[0];
-}
-
-static inline float hmax(v8f x) {
-    const v8i hi = {4, 5, 6, 7, 0, 1, 2, 3}, odd = {1, 0, 3, 2, 5, 4, 7, 6}, pair = {2, 3, 0, 1, 6, 7, 4, 5};
-    x = vmax(x, __builtin_shuffle(x, hi));
-    x = vmax(x, __builtin_shuffle(x, pair));
-    x = vmax(x, __builtin_shuffle(x, odd));
-    return x[0];
-}
-
-// Round to nearest even, as torch does; NaN stays NaN.
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t w;
-    memcpy(&w, &f, sizeof w);
-    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u);
-    w += 0x7fffu + ((w >> 16) & 1u);
-    return (uint16_t)(w >> 16);
 }
 
 typedef struct {
@@ -269,10 +206,10 @@ static int64_t plan_prefetch(Prefetcher *pf, const Params *p, const int32_t *tab
 // The fp32 choice (8 tokens x 1 head: 4.7 cycles per head and token, L1-resident, Zen 3).
 static inline __attribute__((always_inline)) v8f scores8x1(const float *q, const void *const *row, int64_t D,
                                                            int bf16, Prefetcher *pf) {
-    v8f a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
-    v8f a4 = splat(0), a5 = splat(0), a6 = splat(0), a7 = splat(0);
+    v8f a0 = splat8(0), a1 = splat8(0), a2 = splat8(0), a3 = splat8(0);
+    v8f a4 = splat8(0), a5 = splat8(0), a6 = splat8(0), a7 = splat8(0);
     for (int64_t d = 0; d < D; d += 16) {
-        const v8f q0 = loadu(q + d), q1 = loadu(q + d + 8);
+        const v8f q0 = loadu8(q + d), q1 = loadu8(q + d + 8);
         v8f x, y;
 #define DOT(i)                       \
     load16(row[i], d, bf16, &x, &y); \
@@ -290,32 +227,32 @@ static inline __attribute__((always_inline)) v8f scores8x1(const float *q, const
 static inline __attribute__((always_inline)) void scores4x3(const float *q, const void *const *row, int64_t D,
                                                             int bf16, int heads, float *s0, float *s1, float *s2,
                                                             Prefetcher *pf) {
-    v8f a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
-    v8f b0 = splat(0), b1 = splat(0), b2 = splat(0), b3 = splat(0);
-    v8f c0 = splat(0), c1 = splat(0), c2 = splat(0), c3 = splat(0);
+    v8f a0 = splat8(0), a1 = splat8(0), a2 = splat8(0), a3 = splat8(0);
+    v8f b0 = splat8(0), b1 = splat8(0), b2 = splat8(0), b3 = splat8(0);
+    v8f c0 = splat8(0), c1 = splat8(0), c2 = splat8(0), c3 = splat8(0);
     const float *qa = q, *qb = q + D, *qc = q + 2 * D;
     for (int64_t d = 0; d < D; d += 16) {
         v8f x, y;
 #define DOT(i)                                 \
     load16(row[i], d, bf16, &x, &y);           \
-    a##i += loadu(qa + d) * x;                 \
-    a##i += loadu(qa + d + 8) * y;             \
-    b##i += loadu(qb + d) * x;                 \
-    b##i += loadu(qb + d + 8) * y;             \
+    a##i += loadu8(qa + d) * x;                 \
+    a##i += loadu8(qa + d + 8) * y;             \
+    b##i += loadu8(qb + d) * x;                 \
+    b##i += loadu8(qb + d + 8) * y;             \
     if (heads == 3) {                          \
-        c##i += loadu(qc + d) * x;             \
-        c##i += loadu(qc + d + 8) * y;         \
+        c##i += loadu8(qc + d) * x;             \
+        c##i += loadu8(qc + d + 8) * y;         \
     }
         DOT(0) DOT(1) DOT(2) DOT(3)
 #undef DOT
         prefetch_paced(pf, 8 * heads);
     }
     float r[8];
-    storeu(r, transpose_sum8(a0, a1, a2, a3, b0, b1, b2, b3));
+    storeu8(r, transpose_sum8(a0, a1, a2, a3, b0, b1, b2, b3));
     memcpy(s0, r, 4 * sizeof(float));
     memcpy(s1, r + 4, 4 * sizeof(float));
     if (heads == 3) {
-        storeu(r, transpose_sum8(c0, c1, c2, c3, c0, c1, c2, c3));
+        storeu8(r, transpose_sum8(c0, c1, c2, c3, c0, c1, c2, c3));
         memcpy(s2, r, 4 * sizeof(float));
     }
 }
@@ -338,7 +275,7 @@ static inline __attribute__((always_inline)) void group_scores(const float *q, c
         }
     }
     for (; g < G; g++)
-        for (int64_t t = 0; t < n8; t += 8) storeu(sc + g * C + t, scores8x1(q + g * D, row + t, D, bf16, pf));
+        for (int64_t t = 0; t < n8; t += 8) storeu8(sc + g * C + t, scores8x1(q + g * D, row + t, D, bf16, pf));
 }
 
 // P.V for 3 heads of a group, 16 columns at a time, two tokens per step into two sets of
@@ -349,34 +286,34 @@ static inline __attribute__((always_inline)) void accumulate_pv3(float *acc, con
                                                                  int64_t D, int bf16, Prefetcher *pf) {
     float *acc0 = acc, *acc1 = acc + D, *acc2 = acc + 2 * D;
     const float *p0 = p, *p1 = p + C, *p2 = p + 2 * C;
-    const v8f va0 = splat(alpha[0]), va1 = splat(alpha[1]), va2 = splat(alpha[2]);
+    const v8f va0 = splat8(alpha[0]), va1 = splat8(alpha[1]), va2 = splat8(alpha[2]);
     for (int64_t d = 0; d < D; d += 16) {
-        v8f a00 = loadu(acc0 + d) * va0, a01 = loadu(acc0 + d + 8) * va0;
-        v8f a10 = loadu(acc1 + d) * va1, a11 = loadu(acc1 + d + 8) * va1;
-        v8f a20 = loadu(acc2 + d) * va2, a21 = loadu(acc2 + d + 8) * va2;
-        v8f c00 = splat(0), c01 = splat(0), c10 = splat(0), c11 = splat(0), c20 = splat(0), c21 = splat(0);
+        v8f a00 = loadu8(acc0 + d) * va0, a01 = loadu8(acc0 + d + 8) * va0;
+        v8f a10 = loadu8(acc1 + d) * va1, a11 = loadu8(acc1 + d + 8) * va1;
+        v8f a20 = loadu8(acc2 + d) * va2, a21 = loadu8(acc2 + d + 8) * va2;
+        v8f c00 = splat8(0), c01 = splat8(0), c10 = splat8(0), c11 = splat8(0), c20 = splat8(0), c21 = splat8(0);
         int64_t t = 0;
         for (; t + 2 <= n; t += 2) {
             prefetch_paced(pf, 12);
             v8f x, y, b;
             load16(row[t], d, bf16, &x, &y);
-            b = splat(p0[t]);
+            b = splat8(p0[t]);
             a00 += b * x;
             a01 += b * y;
-            b = splat(p1[t]);
+            b = splat8(p1[t]);
             a10 += b * x;
             a11 += b * y;
-            b = splat(p2[t]);
+            b = splat8(p2[t]);
             a20 += b * x;
             a21 += b * y;
             load16(row[t + 1], d, bf16, &x, &y);
-            b = splat(p0[t + 1]);
+            b = splat8(p0[t + 1]);
             c00 += b * x;
             c01 += b * y;
-            b = splat(p1[t + 1]);
+            b = splat8(p1[t + 1]);
             c10 += b * x;
             c11 += b * y;
-            b = splat(p2[t + 1]);
+            b = splat8(p2[t + 1]);
             c20 += b * x;
             c21 += b * y;
         }
@@ -384,22 +321,22 @@ static inline __attribute__((always_inline)) void accumulate_pv3(float *acc, con
             prefetch_paced(pf, 6);
             v8f x, y, b;
             load16(row[t], d, bf16, &x, &y);
-            b = splat(p0[t]);
+            b = splat8(p0[t]);
             a00 += b * x;
             a01 += b * y;
-            b = splat(p1[t]);
+            b = splat8(p1[t]);
             a10 += b * x;
             a11 += b * y;
-            b = splat(p2[t]);
+            b = splat8(p2[t]);
             a20 += b * x;
             a21 += b * y;
         }
-        storeu(acc0 + d, a00 + c00);
-        storeu(acc0 + d + 8, a01 + c01);
-        storeu(acc1 + d, a10 + c10);
-        storeu(acc1 + d + 8, a11 + c11);
-        storeu(acc2 + d, a20 + c20);
-        storeu(acc2 + d + 8, a21 + c21);
+        storeu8(acc0 + d, a00 + c00);
+        storeu8(acc0 + d + 8, a01 + c01);
+        storeu8(acc1 + d, a10 + c10);
+        storeu8(acc1 + d + 8, a11 + c11);
+        storeu8(acc2 + d, a20 + c20);
+        storeu8(acc2 + d + 8, a21 + c21);
     }
 }
 
@@ -410,55 +347,55 @@ static inline __attribute__((always_inline)) void accumulate_pv2(float *acc, con
                                                                  int64_t D, int bf16, Prefetcher *pf) {
     float *acc0 = acc, *acc1 = acc + D;
     const float *p0 = p, *p1 = p + C;
-    const v8f va0 = splat(alpha[0]), va1 = splat(alpha[1]);
+    const v8f va0 = splat8(alpha[0]), va1 = splat8(alpha[1]);
     int64_t d = 0;
     for (; d + 32 <= D; d += 32) {
-        v8f a00 = loadu(acc0 + d) * va0, a01 = loadu(acc0 + d + 8) * va0;
-        v8f a02 = loadu(acc0 + d + 16) * va0, a03 = loadu(acc0 + d + 24) * va0;
-        v8f a10 = loadu(acc1 + d) * va1, a11 = loadu(acc1 + d + 8) * va1;
-        v8f a12 = loadu(acc1 + d + 16) * va1, a13 = loadu(acc1 + d + 24) * va1;
+        v8f a00 = loadu8(acc0 + d) * va0, a01 = loadu8(acc0 + d + 8) * va0;
+        v8f a02 = loadu8(acc0 + d + 16) * va0, a03 = loadu8(acc0 + d + 24) * va0;
+        v8f a10 = loadu8(acc1 + d) * va1, a11 = loadu8(acc1 + d + 8) * va1;
+        v8f a12 = loadu8(acc1 + d + 16) * va1, a13 = loadu8(acc1 + d + 24) * va1;
         for (int64_t t = 0; t < n; t++) {
             prefetch_paced(pf, 8);
             v8f v0, v1, v2, v3;
             load16(row[t], d, bf16, &v0, &v1);
             load16(row[t], d + 16, bf16, &v2, &v3);
-            v8f b = splat(p0[t]);
+            v8f b = splat8(p0[t]);
             a00 += b * v0;
             a01 += b * v1;
             a02 += b * v2;
             a03 += b * v3;
-            b = splat(p1[t]);
+            b = splat8(p1[t]);
             a10 += b * v0;
             a11 += b * v1;
             a12 += b * v2;
             a13 += b * v3;
         }
-        storeu(acc0 + d, a00);
-        storeu(acc0 + d + 8, a01);
-        storeu(acc0 + d + 16, a02);
-        storeu(acc0 + d + 24, a03);
-        storeu(acc1 + d, a10);
-        storeu(acc1 + d + 8, a11);
-        storeu(acc1 + d + 16, a12);
-        storeu(acc1 + d + 24, a13);
+        storeu8(acc0 + d, a00);
+        storeu8(acc0 + d + 8, a01);
+        storeu8(acc0 + d + 16, a02);
+        storeu8(acc0 + d + 24, a03);
+        storeu8(acc1 + d, a10);
+        storeu8(acc1 + d + 8, a11);
+        storeu8(acc1 + d + 16, a12);
+        storeu8(acc1 + d + 24, a13);
     }
     if (d < D) {  // D % 32 == 16
-        v8f a00 = loadu(acc0 + d) * va0, a01 = loadu(acc0 + d + 8) * va0;
-        v8f a10 = loadu(acc1 + d) * va1, a11 = loadu(acc1 + d + 8) * va1;
+        v8f a00 = loadu8(acc0 + d) * va0, a01 = loadu8(acc0 + d + 8) * va0;
+        v8f a10 = loadu8(acc1 + d) * va1, a11 = loadu8(acc1 + d + 8) * va1;
         for (int64_t t = 0; t < n; t++) {
             prefetch_paced(pf, 4);
             v8f v0, v1;
             load16(row[t], d, bf16, &v0, &v1);
-            const v8f b0 = splat(p0[t]), b1 = splat(p1[t]);
+            const v8f b0 = splat8(p0[t]), b1 = splat8(p1[t]);
             a00 += b0 * v0;
             a01 += b0 * v1;
             a10 += b1 * v0;
             a11 += b1 * v1;
         }
-        storeu(acc0 + d, a00);
-        storeu(acc0 + d + 8, a01);
-        storeu(acc1 + d, a10);
-        storeu(acc1 + d + 8, a11);
+        storeu8(acc0 + d, a00);
+        storeu8(acc0 + d + 8, a01);
+        storeu8(acc1 + d, a10);
+        storeu8(acc1 + d + 8, a11);
     }
 }
 
@@ -466,16 +403,16 @@ static inline __attribute__((always_inline)) void accumulate_pv2(float *acc, con
 static inline __attribute__((always_inline)) void accumulate_pv1(float *acc, float alpha, const float *p,
                                                                  const void *const *row, int64_t n, int64_t D,
                                                                  int bf16, Prefetcher *pf) {
-    const v8f va = splat(alpha);
+    const v8f va = splat8(alpha);
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) {
-        v8f a0 = loadu(acc + d) * va, a1 = loadu(acc + d + 8) * va;
-        v8f a2 = loadu(acc + d + 16) * va, a3 = loadu(acc + d + 24) * va;
-        v8f a4 = loadu(acc + d + 32) * va, a5 = loadu(acc + d + 40) * va;
-        v8f a6 = loadu(acc + d + 48) * va, a7 = loadu(acc + d + 56) * va;
+        v8f a0 = loadu8(acc + d) * va, a1 = loadu8(acc + d + 8) * va;
+        v8f a2 = loadu8(acc + d + 16) * va, a3 = loadu8(acc + d + 24) * va;
+        v8f a4 = loadu8(acc + d + 32) * va, a5 = loadu8(acc + d + 40) * va;
+        v8f a6 = loadu8(acc + d + 48) * va, a7 = loadu8(acc + d + 56) * va;
         for (int64_t t = 0; t < n; t++) {
             prefetch_paced(pf, 8);
-            const v8f b = splat(p[t]);
+            const v8f b = splat8(p[t]);
             v8f x, y;
             load16(row[t], d, bf16, &x, &y);
             a0 += b * x;
@@ -490,26 +427,26 @@ static inline __attribute__((always_inline)) void accumulate_pv1(float *acc, flo
             a6 += b * x;
             a7 += b * y;
         }
-        storeu(acc + d, a0);
-        storeu(acc + d + 8, a1);
-        storeu(acc + d + 16, a2);
-        storeu(acc + d + 24, a3);
-        storeu(acc + d + 32, a4);
-        storeu(acc + d + 40, a5);
-        storeu(acc + d + 48, a6);
-        storeu(acc + d + 56, a7);
+        storeu8(acc + d, a0);
+        storeu8(acc + d + 8, a1);
+        storeu8(acc + d + 16, a2);
+        storeu8(acc + d + 24, a3);
+        storeu8(acc + d + 32, a4);
+        storeu8(acc + d + 40, a5);
+        storeu8(acc + d + 48, a6);
+        storeu8(acc + d + 56, a7);
     }
     for (; d < D; d += 16) {
-        v8f a0 = loadu(acc + d) * va, a1 = loadu(acc + d + 8) * va;
+        v8f a0 = loadu8(acc + d) * va, a1 = loadu8(acc + d + 8) * va;
         for (int64_t t = 0; t < n; t++) {
             prefetch_paced(pf, 2);
             v8f x, y;
             load16(row[t], d, bf16, &x, &y);
-            a0 += splat(p[t]) * x;
-            a1 += splat(p[t]) * y;
+            a0 += splat8(p[t]) * x;
+            a1 += splat8(p[t]) * y;
         }
-        storeu(acc + d, a0);
-        storeu(acc + d + 8, a1);
+        storeu8(acc + d, a0);
+        storeu8(acc + d + 8, a1);
     }
 }
 
@@ -528,25 +465,20 @@ static inline __attribute__((always_inline)) void group_pv(float *acc, const flo
 // (zero past n); updates m, l and returns the factor for the old accumulator.
 static inline float softmax_step(float *sc, float *pr, int64_t n, int64_t n8, float *m, float *l) {
     for (int64_t t = n; t < n8; t++) sc[t] = -INFINITY;
-    v8f vm = splat(*m);
-    for (int64_t t = 0; t < n8; t += 8) vm = vmax(vm, loadu(sc + t));
-    const float mx = hmax(vm);
+    v8f vm = splat8(*m);
+    for (int64_t t = 0; t < n8; t += 8) vm = vmax8(vm, loadu8(sc + t));
+    const float mx = hmax8(vm);
     // On the first chunk m = -inf and nothing is accumulated yet, so alpha's value is moot.
-    const float alpha = *m == -INFINITY ? 0.0f : vexp_nonpos(splat(*m - mx))[0];
-    v8f vs = splat(0.0f);
+    const float alpha = *m == -INFINITY ? 0.0f : vexp_nonpos8(splat8(*m - mx))[0];
+    v8f vs = splat8(0.0f);
     for (int64_t t = 0; t < n8; t += 8) {
-        const v8f e = vexp_nonpos(loadu(sc + t) - splat(mx));
-        storeu(pr + t, e);
+        const v8f e = vexp_nonpos8(loadu8(sc + t) - splat8(mx));
+        storeu8(pr + t, e);
         vs += e;
     }
-    // Padding lanes scored -inf come out of the clamped exp as ~1e-38, not 0: take them out.
-    float pad = 0.0f;
-    for (int64_t t = n; t < n8; t++) {
-        pad += pr[t];
-        pr[t] = 0.0f;
-    }
+    // Padding lanes (scored -inf) come out of vexp_nonpos8 as exactly 0.
     *m = mx;
-    *l = *l * alpha + (hsum(vs) - pad);
+    *l = *l * alpha + hsum8(vs);
     return alpha;
 }
 
@@ -565,8 +497,8 @@ static inline __attribute__((always_inline)) void run_unit_impl(const Params *p,
     for (int64_t i = 0; i < H * D; i += 16) {
         v8f a, b;
         load16(q, i, bf16, &a, &b);
-        storeu(s->qs + i, a * splat(p->scale));
-        storeu(s->qs + i + 8, b * splat(p->scale));
+        storeu8(s->qs + i, a * splat8(p->scale));
+        storeu8(s->qs + i + 8, b * splat8(p->scale));
     }
     memset(s->acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t h = 0; h < H; h++) {

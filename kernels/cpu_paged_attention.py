@@ -13,22 +13,19 @@ It imports no triton: the engine's torch backend uses it on machines without tri
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
-from pathlib import Path
 
 import torch
 from qworker_kernels.constants import FLOAT_DTYPES
-from qworker_kernels.cpu_build import load_c_library
+from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = [
     "is_available",
     "paged_decode_attention",
-    "paged_decode_attention_reference",
+    "paged_decode_attention_float64_reference",
     "paged_decode_attention_torch",
 ]
 
-_SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 _DTYPES = (torch.float32, torch.bfloat16)
 # The C kernel's limits (MAX_HEAD_DIM there; rows are read 16 elements at a time). Other head
 # dims go to the torch path.
@@ -36,30 +33,22 @@ _MAX_HEAD_DIM = 512
 # The torch fallback gathers K and V for about this many bytes at a time.
 _FALLBACK_BYTES = 64 << 20
 
-# Return codes of qw_paged_decode_attention: (exception type, message).
-_ERRORS: dict[int, tuple[type[Exception], str]] = {
-    1: (ValueError, "seq_lens holds a length < 1 or > max_blocks_per_seq * block_size"),
-    2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
-    3: (RuntimeError, "shape the C kernel does not support got past the launcher's checks"),
-    4: (MemoryError, "the C kernel could not allocate its working memory"),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _load_library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None (and a warning) when it cannot be built."""
-    lib = load_c_library(_SOURCE)
-    if lib is None:
-        return None
-    fn = lib.qw_paged_decode_attention
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = CKernelLibrary(
+    "cpu_paged_attention.c",
+    {"qw_paged_decode_attention": [*[_P] * 6, *[_I64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int]},
+    errors={
+        1: (ValueError, "seq_lens holds a length < 1 or > max_blocks_per_seq * block_size"),
+        2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
+        3: (RuntimeError, "shape the C kernel does not support got past the launcher's checks"),
+        4: (MemoryError, "the C kernel could not allocate its working memory"),
+    },
+)
 
 
 def is_available() -> bool:
     """True when the C kernel is built (or can be built now) and loaded."""
-    return _load_library() is not None
+    return _LIBRARY.is_available()
 
 
 def _check_inputs(
@@ -144,7 +133,7 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     head_dim = q.shape[2]
-    lib = _load_library() if head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM else None
+    lib = _LIBRARY.get() if head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM else None
     if lib is None:
         return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -166,9 +155,7 @@ def paged_decode_attention(
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
-    if rc != 0:
-        error, message = _ERRORS.get(rc, (RuntimeError, f"error code {rc}"))
-        raise error(f"paged_decode_attention: {message}")
+    _LIBRARY.check("paged_decode_attention", rc)
     return out
 
 
@@ -177,14 +164,14 @@ def _check_table_values(k_cache: torch.Tensor, block_tables: torch.Tensor, seq_l
     if seq_lens.numel() == 0:
         return
     if int(seq_lens.min()) < 1 or int(seq_lens.max()) > block_tables.shape[1] * block_size:
-        raise ValueError(f"paged_decode_attention: {_ERRORS[1][1]}")
+        raise ValueError(f"paged_decode_attention: {_LIBRARY.errors[1][1]}")
     # Only the entries within each sequence's length must be valid.
     num_used = (seq_lens.long() + block_size - 1) // block_size  # [num_seqs]
     positions = torch.arange(block_tables.shape[1], device=block_tables.device)
     used = positions < num_used[:, None]  # [num_seqs, max_blocks]
     ids = block_tables[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise ValueError(f"paged_decode_attention: {_ERRORS[2][1]}")
+        raise ValueError(f"paged_decode_attention: {_LIBRARY.errors[2][1]}")
 
 
 def paged_decode_attention_torch(
@@ -241,7 +228,7 @@ def paged_decode_attention_torch(
     return out
 
 
-def paged_decode_attention_reference(
+def paged_decode_attention_float64_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

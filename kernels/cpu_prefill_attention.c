@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 // bf16 with AVX512-BF16 (built with -march=native on such a CPU): both products by VDPBF16PS, 32
 // bf16 pairs multiplied and added into 16 fp32 lanes per instruction, half the instructions of the
 // fp32 path. K^T and V are kept in bf16, in pair layouts; the probabilities are rounded to bf16
@@ -42,8 +44,6 @@
 #define HAVE_DP 0
 #endif
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 #define QT 16  // queries per tile
 #define KB 64  // keys per block (four vectors)
@@ -56,84 +56,6 @@ enum {
     QW_BAD_SHAPE = 3,
     QW_NO_MEMORY = 4,
 };
-
-static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-static inline v16f loadu(const float *p) {
-    v16f r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline void storeu(float *p, v16f x) { memcpy(p, &x, sizeof x); }
-
-static inline v16f vmax(v16f a, v16f b) {
-    v16i m = a > b;
-    return (v16f)(((v16i)a & m) | ((v16i)b & ~m));
-}
-
-// Horizontal max and sum by halving: lanes i and i + w combined, w = 8, 4, 2, 1.
-static inline float hmax(v16f x) {
-    const v16i h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const v16i h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const v16i h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const v16i h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    x = vmax(x, __builtin_shuffle(x, h8));
-    x = vmax(x, __builtin_shuffle(x, h4));
-    x = vmax(x, __builtin_shuffle(x, h2));
-    x = vmax(x, __builtin_shuffle(x, h1));
-    return x[0];
-}
-
-static inline float hsum(v16f x) {
-    const v16i h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const v16i h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const v16i h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const v16i h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    x += __builtin_shuffle(x, h8);
-    x += __builtin_shuffle(x, h4);
-    x += __builtin_shuffle(x, h2);
-    x += __builtin_shuffle(x, h1);
-    return x[0];
-}
-
-// exp(x) for x <= 0 (score - running max); Cephes expf polynomial after Cody-Waite range
-// reduction, about 2 ulp. -inf (a masked score) gives exactly 0.
-static inline v16f vexp_nonpos(v16f x) {
-    const v16i masked = x < splat(-1e30f);
-    const v16f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-    x = vmax(x, splat(-87.0f));
-    v16f t = x * splat(1.44269504088896341f) + magic;
-    v16i n = (v16i)t - (v16i)magic;
-    v16f r = t - magic;
-    v16f f = x - r * splat(0.693359375f);
-    f = f - r * splat(-2.12194440e-4f);
-    v16f p = splat(1.9875691500e-4f);
-    p = p * f + splat(1.3981999507e-3f);
-    p = p * f + splat(8.3334519073e-3f);
-    p = p * f + splat(4.1665795894e-2f);
-    p = p * f + splat(1.6666665459e-1f);
-    p = p * f + splat(5.0000001201e-1f);
-    p = p * f * f + f + splat(1.0f);
-    v16i pow2n = (n + 127) << 23;
-    return (v16f)((v16i)(p * (v16f)pow2n) & ~masked);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t w = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
-// Round to nearest even, as torch does; NaN stays NaN.
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t w;
-    memcpy(&w, &f, sizeof w);
-    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u);
-    w += 0x7fffu + ((w >> 16) & 1u);
-    return (uint16_t)(w >> 16);
-}
 
 typedef struct {
     const void *q, *k, *v;
@@ -204,18 +126,18 @@ static inline void scores4(const float *q, int64_t q_stride, const float *kt, in
                            float *s) {
     v16f acc[4][KB / 16];
     for (int r = 0; r < 4; r++)
-        for (int x = 0; x < KB / 16; x++) acc[r][x] = splat(0);
+        for (int x = 0; x < KB / 16; x++) acc[r][x] = splat16(0);
     for (int64_t d = 0; d < D; d++) {
         const float *row = kt + d * Lp + j0;
         v16f k[KB / 16];
-        for (int x = 0; x < KB / 16; x++) k[x] = loadu(row + 16 * x);
+        for (int x = 0; x < KB / 16; x++) k[x] = loadu16(row + 16 * x);
         for (int r = 0; r < 4; r++) {
-            const v16f qr = splat(q[r * q_stride + d]);
+            const v16f qr = splat16(q[r * q_stride + d]);
             for (int x = 0; x < KB / 16; x++) acc[r][x] += qr * k[x];
         }
     }
     for (int r = 0; r < 4; r++)
-        for (int x = 0; x < KB / 16; x++) storeu(s + r * KB + 16 * x, acc[r][x]);
+        for (int x = 0; x < KB / 16; x++) storeu16(s + r * KB + 16 * x, acc[r][x]);
 }
 
 // acc[4, D] = acc * alpha[r] + p[4, KB] . v[j0 .. j0 + kb, D], 64 columns at a time (D: a multiple
@@ -225,12 +147,12 @@ static inline void pv4(float *acc, const float *alpha, const float *p, const flo
     for (int64_t c = 0; c < D; c += 64) {
         v16f o[4][4];
         for (int r = 0; r < 4; r++)
-            for (int x = 0; x < 4; x++) o[r][x] = loadu(acc + r * D + c + 16 * x) * splat(alpha[r]);
+            for (int x = 0; x < 4; x++) o[r][x] = loadu16(acc + r * D + c + 16 * x) * splat16(alpha[r]);
         for (int64_t j = 0; j < kb; j++) {
             const float *vr = v + (j0 + j) * D + c;
-            const v16f v0 = loadu(vr), v1 = loadu(vr + 16), v2 = loadu(vr + 32), v3 = loadu(vr + 48);
+            const v16f v0 = loadu16(vr), v1 = loadu16(vr + 16), v2 = loadu16(vr + 32), v3 = loadu16(vr + 48);
             for (int r = 0; r < 4; r++) {
-                const v16f w = splat(p[r * KB + j]);
+                const v16f w = splat16(p[r * KB + j]);
                 o[r][0] += w * v0;
                 o[r][1] += w * v1;
                 o[r][2] += w * v2;
@@ -238,7 +160,7 @@ static inline void pv4(float *acc, const float *alpha, const float *p, const flo
             }
         }
         for (int r = 0; r < 4; r++)
-            for (int x = 0; x < 4; x++) storeu(acc + r * D + c + 16 * x, o[r][x]);
+            for (int x = 0; x < 4; x++) storeu16(acc + r * D + c + 16 * x, o[r][x]);
     }
 }
 
@@ -339,12 +261,12 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
             // Keys past the query's position (and past the block's end) are masked.
             const int64_t visible = pos - j0 + 1 < kb ? pos - j0 + 1 : kb;
             for (int64_t c = visible < 0 ? 0 : visible; c < KB; c++) sr[c] = -INFINITY;
-            v16f x[KB / 16], mx = loadu(sr);
+            v16f x[KB / 16], mx = loadu16(sr);
             for (int c = 0; c < KB / 16; c++) {
-                x[c] = loadu(sr + 16 * c);
-                mx = vmax(mx, x[c]);
+                x[c] = loadu16(sr + 16 * c);
+                mx = vmax16(mx, x[c]);
             }
-            const float block_max = hmax(mx);
+            const float block_max = hmax16(mx);
             const float m_new = block_max > w->m[r] ? block_max : w->m[r];
             if (m_new == -INFINITY) {  // nothing visible yet (cannot happen: key 0 is in block 0)
                 w->alpha[r] = 1.0f;
@@ -352,11 +274,11 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
                 memset(w->pbf + r * KB, 0, KB * sizeof(uint16_t));
                 continue;
             }
-            v16f sum = splat(0);
+            v16f sum = splat16(0);
             for (int c = 0; c < KB / 16; c++) {
-                const v16f pc = vexp_nonpos(x[c] - splat(m_new));
+                const v16f pc = vexp_nonpos16(x[c] - splat16(m_new));
                 sum += pc;
-                storeu(sr + 16 * c, pc);
+                storeu16(sr + 16 * c, pc);
 #if HAVE_DP
                 if (p->use_dp) {
                     __m512 pv;
@@ -366,7 +288,7 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
 #endif
             }
             w->alpha[r] = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
-            w->l[r] = w->l[r] * w->alpha[r] + hsum(sum);
+            w->l[r] = w->l[r] * w->alpha[r] + hsum16(sum);
             w->m[r] = m_new;
         }
 #if HAVE_DP

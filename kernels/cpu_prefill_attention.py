@@ -10,40 +10,31 @@ copy of its context.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
-from pathlib import Path
 
 import torch
-from qworker_kernels.cpu_build import load_c_library
+from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = ["is_available", "paged_prefill_attention", "paged_prefill_attention_reference"]
 
-_SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256
-_ERRORS: dict[int, tuple[type[Exception], str]] = {
-    1: (ValueError, "a chunk is empty, longer than its context, or its context exceeds its block table"),
-    2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
-    3: (RuntimeError, "shape the C kernel does not support got past the launcher's checks"),
-    4: (MemoryError, "the C kernel could not allocate its working memory"),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _load_library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE)
-    if lib is None:
-        return None
-    fn = lib.qw_paged_prefill_attention
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = CKernelLibrary(
+    "cpu_prefill_attention.c",
+    {"qw_paged_prefill_attention": [*[_P] * 7, *[_I64] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int]},
+    errors={
+        1: (ValueError, "a chunk is empty, longer than its context, or its context exceeds its block table"),
+        2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
+        3: (RuntimeError, "shape the C kernel does not support got past the launcher's checks"),
+        4: (MemoryError, "the C kernel could not allocate its working memory"),
+    },
+)
 
 
 def is_available() -> bool:
     """True when the C kernel is built (or can be built now) and loaded."""
-    return _load_library() is not None
+    return _LIBRARY.is_available()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -115,18 +106,13 @@ def paged_prefill_attention(
         raise ValueError("seq_lens must be int32 [num_seqs] and query_start_loc int32 [num_seqs + 1]")
     if not 0 <= seq_begin <= seq_end <= num_seqs:
         raise ValueError(f"sequence range [{seq_begin}, {seq_end}) outside [0, {num_seqs}]")
-    lib = _load_library()
-    if lib is None:
-        raise RuntimeError("the CPU prefill attention kernel could not be built")
-    rc = lib.qw_paged_prefill_attention(
+    rc = _LIBRARY.require().qw_paged_prefill_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         query_start_loc.data_ptr(), out.data_ptr(), seq_begin, seq_end, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], num_blocks, float(scale), int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        error, message = _ERRORS.get(rc, (RuntimeError, f"error code {rc}"))
-        raise error(f"paged_prefill_attention: {message}")
+    _LIBRARY.check("paged_prefill_attention", rc)
     return out
 
 

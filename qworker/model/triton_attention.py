@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from qworker_kernels.constants import is_triton_interpreter_enabled
 
-from qworker.model.attention import AttentionMetadata
+from qworker.model.attention_types import AttentionMetadata
 
 
 class TritonAttentionBackend:

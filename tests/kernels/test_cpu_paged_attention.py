@@ -55,7 +55,7 @@ def lens_for(block_size: int) -> list[int]:
 
 
 def check(fn: Attention, inputs: tuple[torch.Tensor, ...], dtype: torch.dtype, scale: float) -> None:
-    expected = cpa.paged_decode_attention_reference(*inputs, scale)
+    expected = cpa.paged_decode_attention_float64_reference(*inputs, scale)
     actual = fn(*inputs, scale)
     assert actual.dtype == dtype and actual.shape == inputs[0].shape
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
@@ -124,7 +124,7 @@ def test_large_scores_stay_finite() -> None:
     # Scores in the hundreds: the online softmax must subtract the running max.
     q, k, v, bt, sl = make_inputs([300, 40], 2, 2, 64, 16, torch.float32)
     inputs = (q * 30, k * 3, v, bt, sl)
-    expected = cpa.paged_decode_attention_reference(*inputs, 1.0)
+    expected = cpa.paged_decode_attention_float64_reference(*inputs, 1.0)
     actual = cpa.paged_decode_attention(*inputs, 1.0)
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
@@ -138,7 +138,7 @@ def test_writes_into_out(fn: Attention) -> None:
     result = fn(*inputs, 0.125, out=out)
     assert result is out
     torch.testing.assert_close(
-        out, cpa.paged_decode_attention_reference(*inputs, 0.125), atol=2e-5, rtol=2e-5
+        out, cpa.paged_decode_attention_float64_reference(*inputs, 0.125), atol=2e-5, rtol=2e-5
     )
 
 
@@ -189,7 +189,7 @@ def test_rejects_bad_inputs(fn: Attention, case: str) -> None:
 def test_torch_fallback_serves_fp16() -> None:
     # The engine's torch backend uses the fallback on CUDA too, where models often run in fp16.
     inputs = make_inputs(lens_for(16), 2, 3, 64, 16, torch.float16)
-    expected = cpa.paged_decode_attention_reference(*inputs, 0.125)
+    expected = cpa.paged_decode_attention_float64_reference(*inputs, 0.125)
     actual = cpa.paged_decode_attention_torch(*inputs, 0.125)
     assert actual.dtype == torch.float16
     torch.testing.assert_close(actual.float(), expected.float(), atol=2e-3, rtol=2e-3)
