@@ -92,7 +92,14 @@ typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks;
     float scale;
     int is_bf16;
+    int64_t window;  // the query (at position len - 1) sees the last `window` keys
+    int has_soft_cap;
+    float soft_cap;  // scores s become tanh(s / soft_cap) * soft_cap before the softmax
 } Params;
+
+// First key a sequence of `len` tokens attends to: keys before it are never read, so a windowed
+// decode costs its window, not its context.
+static inline int64_t window_begin(const Params *p, int64_t len) { return len > p->window ? len - p->window : 0; }
 
 typedef struct {
     int32_t seq;
@@ -550,6 +557,11 @@ static inline __attribute__((always_inline)) void run_unit_impl(const Params *p,
             // that the core can overlap.
             const int64_t h0 = kvh * G;
             group_scores(s->qs + h0 * D, krow, n8, D, G, C, s->sc, bf16, &pf);
+            if (p->has_soft_cap) {
+                const float cap = p->soft_cap, inv_cap = 1.0f / p->soft_cap;
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t t = 0; t < n; t++) s->sc[g * C + t] = cap * tanhf(s->sc[g * C + t] * inv_cap);
+            }
             for (int64_t g = 0; g < G; g++)
                 s->alpha[g] = softmax_step(s->sc + g * C, s->pr + g * C, n, n8, s->m + h0 + g, s->l + h0 + g);
             group_pv(s->acc + h0 * D, s->alpha, s->pr, C, vrow, n, D, G, bf16, &pf);
@@ -588,26 +600,31 @@ static int by_length_desc(const void *a, const void *b) {
 }
 
 // Entry point (ctypes). Pointers are to contiguous tensors in the layouts above; q, k, v and out are
-// fp32, or bf16 when is_bf16. head_dim must be a multiple of 16 up to MAX_HEAD_DIM and num_heads a
+// fp32, or bf16 when is_bf16. Each query sees the last `window` keys of its sequence (a window of
+// max_blocks * block_size or more: all of them), and with has_soft_cap its scaled scores are
+// capped to (-soft_cap, soft_cap) by tanh. head_dim must be a multiple of 16 up to MAX_HEAD_DIM and num_heads a
 // multiple of num_kv_heads. Returns QW_OK, or an error code with `out` partly written.
 int qw_paged_decode_attention(const void *q, const void *k, const void *v, const int32_t *block_tables,
                               const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                              int64_t num_blocks, float scale, int is_bf16, int num_threads) {
+                              int64_t num_blocks, float scale, int64_t window, int has_soft_cap, float soft_cap,
+                              int is_bf16, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM ||
-        block_size <= 0 || num_threads <= 0)
+        block_size <= 0 || num_threads <= 0 || window < 1 || (has_soft_cap && !(soft_cap > 0.0f)))
         return QW_BAD_SHAPE;
     if (num_seqs == 0) return QW_OK;
 
     Params p = {q, k, v, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
-                block_size, max_blocks, num_blocks, scale, is_bf16};
+                block_size, max_blocks, num_blocks, scale, is_bf16, window, has_soft_cap, soft_cap};
 
+    // Lengths below count the keys each query sees: its window, or its whole context.
     int64_t total = 0, max_len = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t len = seq_lens[i];
         if (len < 1 || len > max_blocks * block_size) return QW_BAD_SEQ_LEN;
-        total += len;
-        max_len = len > max_len ? len : max_len;
+        const int64_t seen = len - window_begin(&p, len);
+        total += seen;
+        max_len = seen > max_len ? seen : max_len;
     }
     // Small batches run on the calling thread: waking the pool (microseconds, tens if its threads
     // sleep) costs more than it saves below ~1000 tokens of SmolLM2-135M (~60 us of work).
@@ -622,7 +639,8 @@ int qw_paged_decode_attention(const void *q, const void *k, const void *v, const
     }
     int64_t num_units = 0, num_slots = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
-        const int64_t parts = (seq_lens[i] + part - 1) / part;
+        const int64_t seen = seq_lens[i] - window_begin(&p, seq_lens[i]);
+        const int64_t parts = (seen + part - 1) / part;
         num_units += parts;
         if (parts > 1) num_slots += parts;
     }
@@ -641,11 +659,12 @@ int qw_paged_decode_attention(const void *q, const void *k, const void *v, const
     }
     int64_t num_split = 0, slot = 0, ui = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
-        const int64_t len = seq_lens[i], parts = (len + part - 1) / part;
+        const int64_t len = seq_lens[i], begin = window_begin(&p, len);
+        const int64_t parts = (len - begin + part - 1) / part;
         first_slot[i] = parts > 1 ? slot : -1;
         if (parts > 1) split_seqs[num_split++] = (int32_t)i;
         for (int64_t j = 0; j < parts; j++) {
-            const int64_t b = j * part, e = b + part < len ? b + part : len;
+            const int64_t b = begin + j * part, e = b + part < len ? b + part : len;
             units[ui++] = (Unit){(int32_t)i, parts > 1 ? (int32_t)(slot++) : -1, b, e};
         }
     }
@@ -685,7 +704,8 @@ int qw_paged_decode_attention(const void *q, const void *k, const void *v, const
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_split; i++) {
             if (!ok) continue;
-            const int64_t seq = split_seqs[i], len = seq_lens[seq], parts = (len + part - 1) / part;
+            const int64_t seq = split_seqs[i], len = seq_lens[seq];
+            const int64_t parts = (len - window_begin(&p, len) + part - 1) / part;
             const float *base = partial + first_slot[seq] * slot_floats;
             for (int64_t h = 0; h < num_heads; h++) {
                 float mx = -INFINITY, sum = 0.0f;

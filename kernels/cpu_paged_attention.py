@@ -7,6 +7,10 @@ sequences x 400 tokens, more than the layer's matmuls). It is built at first use
 
 Threads: the kernel uses ``torch.get_num_threads()`` OpenMP threads, from the pool torch uses.
 
+Sliding windows and soft-capping (per layer, keyword arguments of every function here) are in the
+C kernel too: a windowed decode reads only the blocks its window touches, so it costs the window,
+not the context.
+
 It imports no triton: the engine's torch backend uses it on machines without triton.
 """
 
@@ -16,7 +20,7 @@ import ctypes
 import math
 
 import torch
-from qworker_kernels.constants import FLOAT_DTYPES
+from qworker_kernels.constants import FLOAT_DTYPES, check_attention_extras
 from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = [
@@ -33,10 +37,11 @@ _MAX_HEAD_DIM = 512
 # The torch fallback gathers K and V for about this many bytes at a time.
 _FALLBACK_BYTES = 64 << 20
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _LIBRARY = CKernelLibrary(
     "cpu_paged_attention.c",
-    {"qw_paged_decode_attention": [*[_P] * 6, *[_I64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int]},
+    # pointers, sizes, scale, window, has_soft_cap, soft_cap, is_bf16, num_threads
+    {"qw_paged_decode_attention": [*[_P] * 6, *[_I64] * 7, _F, _I64, _I, _F, _I, _I]},
     errors={
         1: (ValueError, "seq_lens holds a length < 1 or > max_blocks_per_seq * block_size"),
         2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
@@ -116,6 +121,9 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V cache.
 
@@ -124,19 +132,26 @@ def paged_decode_attention(
     int32 (entries past a sequence's blocks are ignored). seq_lens: [num_seqs] int32, tokens in the
     cache for each sequence, the current one included. Query head h reads KV head h // (num_heads //
     num_kv_heads). Accumulates in fp32; returns ``out`` (allocated when None) in q's dtype.
+    With `sliding_window` W the query (at position seq_len - 1) sees the last W keys only; with
+    `logits_soft_cap` c the scaled scores s become tanh(s / c) * c before the softmax.
 
     Uses the C kernel when it is available and head_dim is a multiple of 16 up to 512; otherwise
     ``paged_decode_attention_torch``. Raises ValueError on bad shapes, dtypes, devices,
     non-contiguous inputs, out-of-range seq_lens or block ids (``out`` may then be partly written).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    check_attention_extras(sliding_window, logits_soft_cap)
     if out is None:
         out = torch.empty_like(q)
     head_dim = q.shape[2]
     lib = _LIBRARY.get() if head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM else None
     if lib is None:
-        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+        return paged_decode_attention_torch(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    max_context = block_tables.shape[1] * block_size
     rc = lib.qw_paged_decode_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -152,6 +167,10 @@ def paged_decode_attention(
         block_tables.shape[1],
         num_blocks,
         float(scale),
+        # No window is a window as long as the longest context the tables can hold.
+        max(1, max_context) if sliding_window is None else sliding_window,
+        int(logits_soft_cap is not None),
+        0.0 if logits_soft_cap is None else float(logits_soft_cap),
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
@@ -182,14 +201,19 @@ def paged_decode_attention_torch(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch fallback with the same contract, on any device and also in fp16: gather + SDPA
     for a few sequences at a time.
 
     Sequences are taken in groups so that the gathered K and V stay near 64 MiB, whatever the
     batch; SDPA's enable_gqa reads each KV head for its whole group, so K/V are not repeated.
+    Soft-capped scores need the unfused math (SDPA has no cap), in fp32.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, is_kernel=False)
+    check_attention_extras(sliding_window, logits_soft_cap)
     _check_table_values(k_cache, block_tables, seq_lens)
     if out is None:
         out = torch.empty_like(q)
@@ -214,7 +238,14 @@ def paged_decode_attention_torch(
         # k, v: [g, num_kv_heads, T, head_dim] with T = num_used * block_size
         k = k_cache[table].flatten(1, 2).transpose(1, 2)
         v = v_cache[table].flatten(1, 2).transpose(1, 2)
-        valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[start:stop, None]  # [g, T]
+        positions = torch.arange(k.shape[2], device=q.device)[None, :]
+        valid = positions < seq_lens[start:stop, None]  # [g, T]
+        if sliding_window is not None:
+            valid &= positions >= seq_lens[start:stop, None] - sliding_window
+        if logits_soft_cap is not None:
+            out[start:stop] = _soft_capped_decode(q[start:stop], k, v, valid, scale, logits_soft_cap)
+            start = stop
+            continue
         attn = torch.nn.functional.scaled_dot_product_attention(
             q[start:stop, :, None, :],  # [g, num_heads, 1, head_dim]
             k,
@@ -228,6 +259,19 @@ def paged_decode_attention_torch(
     return out
 
 
+def _soft_capped_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """q: [g, H, D]; k, v: [g, KVH, T, D]; valid: [g, T] -> [g, H, D], softmax in fp32."""
+    g, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    grouped_q = q.view(g, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = torch.matmul(grouped_q, k.float().transpose(-1, -2)) * scale  # [g, KVH, group, T]
+    scores = torch.tanh(scores / cap) * cap
+    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
+    return torch.matmul(probs, v.float()).view(g, num_heads, head_dim).to(q.dtype)
+
+
 def paged_decode_attention_float64_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -235,8 +279,12 @@ def paged_decode_attention_float64_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Obviously-correct reference for tests: one sequence at a time, in float64, K/V repeated for GQA."""
+    """Obviously-correct reference for tests: one sequence at a time, in float64, K/V repeated for
+    GQA; keys outside the window masked, scores capped as `paged_decode_attention` says."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -249,6 +297,12 @@ def paged_decode_attention_float64_reference(
         k = k.repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        if sliding_window is not None:
+            # The query sits at position n - 1 and sees key j iff n - 1 - j < sliding_window.
+            outside = torch.arange(n) < n - sliding_window
+            scores = scores.masked_fill(outside[None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hn,nhd->hd", probs, v).to(q.dtype)
     return out

@@ -92,6 +92,77 @@ def test_odd_groups_and_head_dims(fn: Attention, dtype: torch.dtype, group: int,
     check(fn, inputs, dtype, 0.3)
 
 
+def window_lens(window: int, block_size: int) -> list[int]:
+    # Contexts shorter than, equal to and longer than the window (by one and by several blocks),
+    # in one batch.
+    return [1, max(1, window - 1), window, window + 1, window + 3 * block_size + 5, 2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("head_dim", [48, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize(("window", "soft_cap"), [(1, None), (37, None), (16, 2.5), (None, 2.5)])
+def test_sliding_window_and_soft_cap(
+    fn: Attention,
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    group: int,
+    window: int | None,
+    soft_cap: float | None,
+) -> None:
+    lens = window_lens(window or 40, block_size)
+    inputs = make_inputs(lens, 2, group, head_dim, block_size, dtype, seed=head_dim + group)
+    # Scores of a few units, so that a cap of 2.5 bends most of them.
+    scale = 3 * head_dim**-0.5
+    extras = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    expected = cpa.paged_decode_attention_float64_reference(*inputs, scale, **extras)
+    actual = fn(*inputs, scale, **extras)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+    if window is not None:  # the window changes the answer wherever it cuts a context short
+        full = cpa.paged_decode_attention_float64_reference(*inputs, scale, logits_soft_cap=soft_cap)
+        cut = torch.tensor(lens) > window
+        assert not torch.allclose(actual[cut].float(), full[cut].float(), **TOLERANCE[dtype])
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_windowed_long_sequences_split_across_threads(num_threads: int) -> None:
+    # Few long sequences: the kernel splits each window into parts and merges them.
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        inputs = make_inputs([2000, 1, 700], 3, 3, 64, 16, torch.float32, seed=4)
+        for window in (100, 333, 5000):
+            expected = cpa.paged_decode_attention_float64_reference(*inputs, 0.125, sliding_window=window)
+            actual = cpa.paged_decode_attention(*inputs, 0.125, sliding_window=window)
+            torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "extras",
+    [
+        {"sliding_window": 0},
+        {"sliding_window": 2.5},
+        {"logits_soft_cap": 0.0},
+        {"logits_soft_cap": float("inf")},
+    ],
+    ids=["window 0", "window float", "cap 0", "cap inf"],
+)
+def test_rejects_bad_extras(fn: Attention, extras: dict) -> None:
+    inputs = make_inputs([5, 17], 2, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"sliding_window|logits_soft_cap"):
+        fn(*inputs, 0.125, **extras)
+
+
 @needs_kernel
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
