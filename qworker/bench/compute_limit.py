@@ -21,7 +21,10 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qworker.model.config import ModelConfig
 
 # Timing of one (shape, rows) point: the best of REPEATS, each at least MIN_REPEAT_S long.
 REPEATS = 5
@@ -72,6 +75,19 @@ def model_shapes(
             LinearShape("down", intermediate_size, hidden_size, num_layers),
         ),
         lm_head=LinearShape("lm_head", hidden_size, vocab_size, 1),
+    )
+
+
+def config_shapes(config: ModelConfig) -> ModelShapes:
+    """model_shapes of a model qworker loaded (its ModelConfig)."""
+    return model_shapes(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
     )
 
 

@@ -161,7 +161,7 @@ def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
         import torch
 
         from qworker.bench.hf_generate import HFGenerateSystem
-        from qworker.engine.llm_engine import resolve_device, resolve_dtype
+        from qworker.engine.runner import resolve_device, resolve_dtype
         from qworker.model.loader import resolve_model
 
         unknown = set(spec.options) - {"batch"}
@@ -198,7 +198,7 @@ def _vllm_cpu_system(spec: SystemSpec, settings: BenchSettings) -> System:
 
     from qworker.bench.vllm_cpu import BINDINGS, VLLMCpuSystem
     from qworker.bench.vllm_engine import vllm_options
-    from qworker.engine.llm_engine import resolve_device, resolve_dtype
+    from qworker.engine.runner import resolve_device, resolve_dtype
     from qworker.model.loader import resolve_model
 
     options = dict(spec.options)

@@ -4,7 +4,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,8 +21,9 @@ from qworker.engine.outputs import (
     RequestOutput,
     StepOutput,
 )
+from qworker.engine.parallel_sampling import ParallelSampling, ParentRequest, child_id, child_params
 from qworker.engine.request import Request, RequestStatus
-from qworker.engine.runner import ModelRunner, resolve_device, resolve_dtype
+from qworker.engine.runner import ModelRunner
 from qworker.engine.sampler import PositionLogprobs
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
@@ -31,8 +32,7 @@ from qworker.model.config import ModelConfig
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from qworker.utils import cdiv
 
-# resolve_device and resolve_dtype live in the runner; qworker.bench still imports them from here.
-__all__ = ["LLMEngine", "Prompt", "resolve_device", "resolve_dtype"]
+__all__ = ["LLMEngine", "Prompt"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,29 +47,6 @@ class _RequestState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
-
-
-@dataclass
-class _ParentState:
-    """A request with n > 1: its completions run as child requests `{id}#{i}` sharing the prompt.
-
-    Child 0 is queued first; the others join once its prompt is computed, so that with prefix
-    caching they find the prompt's full blocks in the cache instead of computing them again.
-    """
-
-    request_id: str
-    child_ids: list[str]
-    # Children not yet queued: (child id, its params), added after child 0's prefill.
-    pending: list[tuple[str, SamplingParams]]
-    prompt: str | None
-    token_ids: list[int]
-    priority: int
-    arrival_time: float
-    outputs: dict[int, RequestOutput] = field(default_factory=dict)
-
-
-def _child_id(request_id: str, index: int) -> str:
-    return f"{request_id}#{index}"
 
 
 class LLMEngine:
@@ -117,9 +94,8 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self._states: dict[str, _RequestState] = {}
-        self._parents: dict[str, _ParentState] = {}
-        # child request id -> (parent id, completion index)
-        self._children: dict[str, tuple[str, int]] = {}
+        # n > 1 requests: their children are requests of their own in _states and the scheduler.
+        self._parallel = ParallelSampling()
         self.num_steps = 0
         self.startup_seconds = time.perf_counter() - started
         logger.info(
@@ -231,7 +207,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._states or request_id in self._parents or request_id in self._children:
+        if request_id in self._states or request_id in self._parallel:
             raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt_token_ids(token_ids)
@@ -240,48 +216,30 @@ class LLMEngine:
         if params.n == 1:
             self._enqueue(request_id, text, token_ids, params, priority, arrival_time or now)
             return request_id
-        child_ids = [_child_id(request_id, i) for i in range(params.n)]
-        if any(c in self._states or c in self._parents for c in child_ids):
+        if any(child_id(request_id, i) in self._states for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} clashes with a request in the engine")
-        children = [
-            (
-                child_ids[i],
-                replace(
-                    params,
-                    n=1,
-                    seed=params.child_seed(i),
-                    # The prompt is scored once, by completion 0.
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                ),
-            )
-            for i in range(params.n)
-        ]
-        parent = _ParentState(
-            request_id, child_ids, children[1:], text, token_ids, priority, arrival_time or now
+        parent = self._parallel.add(request_id, text, token_ids, params, priority, arrival_time or now)
+        self._enqueue(
+            parent.first_child_id, text, token_ids, child_params(params, 0), priority, parent.arrival_time
         )
-        self._parents[request_id] = parent
-        for i, child_id in enumerate(child_ids):
-            self._children[child_id] = (request_id, i)
-        self._enqueue(children[0][0], text, token_ids, children[0][1], priority, parent.arrival_time)
         if not self.config.enable_prefix_caching:
             self._release_children(parent)
         return request_id
 
-    def _release_children(self, parent: _ParentState) -> None:
+    def _release_children(self, parent: ParentRequest) -> None:
         # The others queue in completion 0's place, not behind requests that came after it.
-        first = self._states.get(parent.child_ids[0])
+        first = self._states.get(parent.first_child_id)
         arrival_index = first.request.arrival_index if first is not None else None
-        for child_id, child_params in parent.pending:
+        for cid, params in parent.take_pending():
             self._enqueue(
-                child_id,
+                cid,
                 parent.prompt,
                 parent.token_ids,
-                child_params,
+                params,
                 parent.priority,
                 parent.arrival_time,
                 arrival_index,
             )
-        parent.pending = []
 
     def _enqueue(
         self,
@@ -308,15 +266,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a queued or running request now and free its blocks. Returns its partial output."""
-        parent = self._parents.pop(request_id, None)
+        parent = self._parallel.pop(request_id)
         if parent is not None:
-            parent.pending = []
-            for index, child_id in enumerate(parent.child_ids):
-                self._children.pop(child_id, None)
-                child_output = self.abort(child_id)
+            for index, cid in enumerate(parent.child_ids):
+                child_output = self.abort(cid)
                 if child_output is not None:
                     parent.outputs[index] = child_output
-            return self._parent_output(parent) if parent.outputs else None
+            return parent.output() if parent.outputs else None
         state = self._states.pop(request_id, None)
         if state is None:
             return None
@@ -325,7 +281,7 @@ class LLMEngine:
         return self._make_output(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or any(p.pending for p in self._parents.values())
+        return self.scheduler.has_unfinished_requests() or self._parallel.has_pending_children()
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv_cache_manager.stats()
@@ -334,9 +290,7 @@ class LLMEngine:
         """Leading tokens of a queued request that it would share from the prefix cache without
         taking a free block: those in cached blocks that requests hold now. 0 for an unknown
         request or with prefix caching off. Changes nothing."""
-        if request_id in self._parents:
-            request_id = _child_id(request_id, 0)
-        request = self.scheduler.requests.get(request_id)
+        request = self.scheduler.requests.get(self._parallel.scheduler_id(request_id))
         if request is None:
             return 0
         return self.kv_cache_manager.num_shared_prefix_tokens(request)
@@ -345,8 +299,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return each request's new tokens and text."""
-        if self._parents:
-            self._release_prefilled_children()
+        self._release_prefilled_children()
         plan = self.scheduler.schedule()
         outputs = [self._finish_capacity(request_id) for request_id in plan.capacity_finished_request_ids]
         if plan.is_empty:
@@ -369,67 +322,20 @@ class LLMEngine:
                 if token_logprobs is not None:
                     state.request.logprobs.append(token_logprobs)
                 outputs.append(self._process_token(state, token_id, now))
-            if self._parents:
-                self._release_prefilled_children()
+            self._release_prefilled_children()
         except Exception as exc:
             # Which requests ran is known here and nowhere else: the caller aborts them.
             ran = [*plan.capacity_finished_request_ids, *(item.request_id for item in plan.scheduled)]
-            ran = list(dict.fromkeys(self._children.get(r, (r, 0))[0] for r in ran))
+            ran = list(dict.fromkeys(self._parallel.caller_id(r) for r in ran))
             raise EngineStepError(f"{type(exc).__name__}: {exc}", ran) from exc
-        if not self._children:
+        if not self._parallel.has_children():
             return outputs
-        return [routed for out in outputs if (routed := self._route(out)) is not None]
+        return [routed for out in outputs if (routed := self._parallel.route(out)) is not None]
 
     def _release_prefilled_children(self) -> None:
-        for parent in self._parents.values():
-            if not parent.pending:
-                continue
-            first = self.scheduler.requests.get(parent.child_ids[0])
-            if first is None or first.num_output_tokens > 0:
+        if self._parallel.has_parents():
+            for parent in list(self._parallel.prefilled(self.scheduler.requests)):
                 self._release_children(parent)
-
-    def _route(self, out: StepOutput) -> StepOutput | None:
-        """A child's step output as its parent's: deltas of completion 0, and one finished
-        output once every completion has finished."""
-        link = self._children.get(out.request_id)
-        if link is None:
-            return out
-        parent_id, index = link
-        parent = self._parents[parent_id]
-        if out.finished:
-            assert out.output is not None
-            parent.outputs[index] = out.output
-            del self._children[out.request_id]
-        if len(parent.outputs) == len(parent.child_ids):
-            del self._parents[parent_id]
-            output = self._parent_output(parent)
-            delta = out.text_delta if index == 0 else ""
-            tokens = out.new_token_ids if index == 0 else []
-            return StepOutput(parent_id, tokens, delta, True, output.outputs[0].finish_reason, output)
-        if index != 0:
-            return None
-        return StepOutput(parent_id, out.new_token_ids, out.text_delta, False)
-
-    def _parent_output(self, parent: _ParentState) -> RequestOutput:
-        indices = sorted(parent.outputs)
-        first = parent.outputs[indices[0]]
-        completions = []
-        for i in indices:
-            completion = parent.outputs[i].outputs[0]
-            completion.index = i
-            completions.append(completion)
-        finished_times = [o.metrics.finished_time for o in parent.outputs.values() if o.metrics.finished_time]
-        metrics = replace(first.metrics, finished_time=max(finished_times) if finished_times else None)
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.token_ids,
-            outputs=completions,
-            finished=all(o.finished for o in parent.outputs.values()),
-            metrics=metrics,
-            num_preemptions=sum(o.num_preemptions for o in parent.outputs.values()),
-            prompt_logprobs=parent.outputs[0].prompt_logprobs if 0 in parent.outputs else None,
-        )
 
     def _process_token(self, state: _RequestState, token_id: int, now: float) -> StepOutput:
         request = state.request

@@ -50,29 +50,21 @@ def cleanup(redis: Any, url: str) -> None:
 def write_tiny_model_dir(target: Path, **config_overrides: Any) -> Path:
     """A tiny random Llama with the SmolLM2 tokenizer, saved as a Hugging Face directory, so that
     worker subprocesses start in seconds with `--model target`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from qworker.model.loader import resolve_model
+    from qworker.testing import tiny_llama_model
 
     if (target / "config.json").is_file():
         return target
     tokenizer_dir = resolve_model("smollm2").path
+    # The SmolLM2 tokenizer's vocabulary; rms_norm_eps 1e-6 is what this model has always had
+    # (LlamaConfig's default), so that tests keep the weights and outputs they were written with.
     args: dict[str, Any] = dict(
         vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
         tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
     )
-    args.update(config_overrides)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**args)).eval()
+    model = tiny_llama_model(seed=0, **(args | config_overrides))
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     for name in os.listdir(tokenizer_dir):

@@ -16,11 +16,12 @@ from qworker.bench.run_loop import run_system, warm_up
 from qworker.bench.system import RunLimits, RunResult
 from qworker.bench.workload import BenchRequest, generate_requests, parse_workload
 from qworker.config import EngineConfig
+from qworker.testing import TINY_LLAMA
 from tests.conftest import tiny_engine
 
 pytestmark = pytest.mark.timeout(240)
 
-VOCAB = 256  # tiny_hf_config's vocabulary
+VOCAB = TINY_LLAMA["vocab_size"]
 
 
 def workload(n: int = 6, **arrival: object) -> list[BenchRequest]:

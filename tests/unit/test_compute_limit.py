@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qworker.bench.compute_limit import (
+    config_shapes,
     idealised_schedule,
     measure_compute_limit,
     model_shapes,
@@ -16,6 +17,8 @@ from qworker.bench.compute_limit import (
     schedule_seconds,
 )
 from qworker.bench.report import render_report_md, throughput_ratios
+from qworker.model.config import ModelConfig
+from qworker.testing import TINY_LLAMA, tiny_llama_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,15 +116,8 @@ def test_needed_points_cover_each_bucket_once():
 
 
 def test_measured_limit_on_a_small_model_and_the_report_lines():
-    shapes = model_shapes(
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=256,
-    )
+    shapes = config_shapes(ModelConfig.from_hf(tiny_llama_config()))
+    assert shapes.lm_head.out_features == TINY_LLAMA["vocab_size"]
     limit = measure_compute_limit(
         shapes, [20, 12], [4, 2], dtype=torch.float32, max_num_batched_tokens=16, max_num_seqs=8
     )
