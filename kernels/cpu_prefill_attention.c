@@ -64,8 +64,14 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks;
     float scale;
     int is_bf16;
-    int use_dp;  // the VDPBF16PS path: bf16, HAVE_DP and head_dim a multiple of 32
+    int use_dp;      // the VDPBF16PS path: bf16, HAVE_DP and head_dim a multiple of 32
+    int64_t window;  // the query at position i sees keys i - window + 1 .. i
+    int has_soft_cap;
+    float soft_cap;  // scores s become tanh(s / soft_cap) * soft_cap before the softmax
 } Params;
+
+// First key the query at position `pos` sees.
+static inline int64_t first_key(const Params *p, int64_t pos) { return pos >= p->window ? pos - p->window + 1 : 0; }
 
 typedef struct {
     int32_t seq, head, first;  // the tile's first query, within the sequence's chunk
@@ -243,9 +249,10 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
-    // Query i (within the chunk) is at position L - n + i and sees keys 0 .. L - n + i.
+    // Query i (within the chunk) is at position L - n + i and sees keys first_key(L - n + i) ..
+    // L - n + i. Key blocks before the tile's first row's window are skipped.
     const int64_t pos0 = L - n + first, key_end = pos0 + rows;
-    for (int64_t j0 = 0; j0 < key_end; j0 += KB) {
+    for (int64_t j0 = first_key(p, pos0) / KB * KB; j0 < key_end; j0 += KB) {
         const int64_t kb = key_end - j0 < KB ? key_end - j0 : KB;
 #if HAVE_DP
         if (p->use_dp)
@@ -258,9 +265,15 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
         for (int64_t r = 0; r < QT; r++) {
             float *sr = w->s + r * KB;
             const int64_t pos = pos0 + (r < rows ? r : rows - 1);
-            // Keys past the query's position (and past the block's end) are masked.
+            if (p->has_soft_cap) {
+                const float cap = p->soft_cap, inv_cap = 1.0f / p->soft_cap;
+                for (int64_t c = 0; c < kb; c++) sr[c] = cap * tanhf(sr[c] * inv_cap);
+            }
+            // Keys past the query's position (and past the block's end), and keys before its
+            // window, are masked.
             const int64_t visible = pos - j0 + 1 < kb ? pos - j0 + 1 : kb;
             for (int64_t c = visible < 0 ? 0 : visible; c < KB; c++) sr[c] = -INFINITY;
+            for (int64_t c = 0; c < first_key(p, pos) - j0 && c < KB; c++) sr[c] = -INFINITY;
             v16f x[KB / 16], mx = loadu16(sr);
             for (int c = 0; c < KB / 16; c++) {
                 x[c] = loadu16(sr + 16 * c);
@@ -268,7 +281,7 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
             }
             const float block_max = hmax16(mx);
             const float m_new = block_max > w->m[r] ? block_max : w->m[r];
-            if (m_new == -INFINITY) {  // nothing visible yet (cannot happen: key 0 is in block 0)
+            if (m_new == -INFINITY) {  // nothing visible yet: the block is before this row's window
                 w->alpha[r] = 1.0f;
                 memset(sr, 0, KB * sizeof(float));
                 memset(w->pbf + r * KB, 0, KB * sizeof(uint16_t));
@@ -319,18 +332,23 @@ static int by_cost_desc(const void *a, const void *b) {
 }
 
 // Entry point (ctypes): sequences [seq_begin, seq_end) of the tables. head_dim a multiple of 16 up to
-// MAX_HEAD_DIM; num_heads a multiple of num_kv_heads. Returns QW_OK or an error code.
+// MAX_HEAD_DIM; num_heads a multiple of num_kv_heads. The query at position i sees keys
+// max(0, i - window + 1) .. i (a window of max_blocks * block_size or more: causal attention), and
+// with has_soft_cap its scaled scores are capped by tanh. Returns QW_OK or an error code.
 int qw_paged_prefill_attention(const void *q, const void *k, const void *v, const int32_t *block_tables,
                                const int32_t *seq_lens, const int32_t *query_start, void *out, int64_t seq_begin,
                                int64_t seq_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, int64_t max_blocks, int64_t num_blocks, float scale, int is_bf16,
-                               int num_threads) {
+                               int64_t block_size, int64_t max_blocks, int64_t num_blocks, float scale, int64_t window,
+                               int has_soft_cap, float soft_cap, int is_bf16, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM ||
-        block_size <= 0 || num_threads <= 0 || seq_begin < 0 || seq_end < seq_begin)
+        block_size <= 0 || num_threads <= 0 || seq_begin < 0 || seq_end < seq_begin || window < 1 ||
+        (has_soft_cap && !(soft_cap > 0.0f)))
         return QW_BAD_SHAPE;
     if (seq_end == seq_begin) return QW_OK;
-    Params p = {q, k, v, block_tables, seq_lens, query_start, out, num_heads, num_kv_heads, head_dim,
-                block_size, max_blocks, num_blocks, scale, is_bf16, HAVE_DP && is_bf16 && head_dim % 64 == 0};
+    Params p = {q,          k,          v,         block_tables, seq_lens,
+                query_start, out,       num_heads, num_kv_heads, head_dim,
+                block_size, max_blocks, num_blocks, scale,       is_bf16,
+                HAVE_DP && is_bf16 && head_dim % 64 == 0, window, has_soft_cap, soft_cap};
     const int64_t num_seqs = seq_end - seq_begin, Dp = round_up(head_dim, 64);
 
     int64_t num_units = 0, floats = 0;
@@ -360,13 +378,16 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
         offset += 2 * num_kv_heads * Lp * Dp;
         for (int64_t h = 0; h < num_heads; h++)
             for (int64_t first = 0; first < n; first += QT)
-                units[ui++] = (Unit){(int32_t)s, (int32_t)h, (int32_t)first, (int32_t)(L - n + first + QT)};
+                units[ui++] = (Unit){(int32_t)s, (int32_t)h, (int32_t)first,
+                                     (int32_t)(L - n + first + QT - first_key(&p, L - n + first))};
     }
     qsort(units, (size_t)num_units, sizeof(Unit), by_cost_desc);
 
-    // Conversion work in pieces of 256 tokens, so that one long context is shared out too.
+    // Conversion work in pieces of 256 tokens, so that one long context is shared out too. Only the
+    // keys some query of the chunk sees are converted: from the first query's window on.
     int64_t num_pieces = 0;
-    for (int64_t s = seq_begin; s < seq_end; s++) num_pieces += (seq_lens[s] + 255) / 256;
+#define KEYS_SEEN(s) (seq_lens[s] - first_key(&p, seq_lens[s] - (query_start[(s) + 1] - query_start[s])))
+    for (int64_t s = seq_begin; s < seq_end; s++) num_pieces += (KEYS_SEEN(s) + 255) / 256;
     int err = QW_OK;
     int64_t next_unit = 0;
     const int64_t work = num_units * QT * head_dim;
@@ -376,8 +397,12 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
 #pragma omp for schedule(dynamic)
         for (int64_t piece = 0; piece < num_pieces; piece++) {
             int64_t s = seq_begin, first = piece;
-            while (first >= (seq_lens[s] + 255) / 256) first -= (seq_lens[s++] + 255) / 256;
-            const int64_t t0 = first * 256, t1 = t0 + 256 < seq_lens[s] ? t0 + 256 : seq_lens[s];
+            while (first >= (KEYS_SEEN(s) + 255) / 256) {
+                first -= (KEYS_SEEN(s) + 255) / 256;
+                s++;
+            }
+            const int64_t lo = seq_lens[s] - KEYS_SEEN(s);
+            const int64_t t0 = lo + first * 256, t1 = t0 + 256 < seq_lens[s] ? t0 + 256 : seq_lens[s];
             const int rc = convert_kv(&p, s, &kv[s - seq_begin], Dp, t0, t1);
             if (rc != QW_OK) {
 #pragma omp atomic write
@@ -410,6 +435,7 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
         }
         free(buf);
     }
+#undef KEYS_SEEN
     free(units);
     free(kv);
     free(kv_data);

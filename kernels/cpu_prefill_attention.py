@@ -13,16 +13,18 @@ import ctypes
 import math
 
 import torch
+from qworker_kernels.constants import check_attention_extras
 from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = ["is_available", "paged_prefill_attention", "paged_prefill_attention_reference"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _LIBRARY = CKernelLibrary(
     "cpu_prefill_attention.c",
-    {"qw_paged_prefill_attention": [*[_P] * 7, *[_I64] * 8, ctypes.c_float, ctypes.c_int, ctypes.c_int]},
+    # pointers, sizes, scale, window, has_soft_cap, soft_cap, is_bf16, num_threads
+    {"qw_paged_prefill_attention": [*[_P] * 7, *[_I64] * 8, _F, _I64, _I, _F, _I, _I]},
     errors={
         1: (ValueError, "a chunk is empty, longer than its context, or its context exceeds its block table"),
         2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
@@ -61,6 +63,9 @@ def paged_prefill_attention(
     seq_end: int,
     scale: float,
     out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for sequences [seq_begin, seq_end) of a step's batch.
 
@@ -68,9 +73,13 @@ def paged_prefill_attention(
     query_start_loc[s] to query_start_loc[s + 1], the last positions of its context). k_cache,
     v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype (fp32 or bf16).
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context length,
-    the chunk included); query_start_loc: [num_seqs + 1] int32. Writes the sequences' rows of
-    `out` and returns it. Raises ValueError on bad inputs.
+    the chunk included); query_start_loc: [num_seqs + 1] int32. With `sliding_window` W the query
+    at position i sees keys j with i - W < j <= i only (key blocks before a tile's windows are
+    neither converted nor read); with `logits_soft_cap` c the scaled scores s become
+    tanh(s / c) * c before the softmax. Writes the sequences' rows of `out` and returns it.
+    Raises ValueError on bad inputs.
     """
+    check_attention_extras(sliding_window, logits_soft_cap)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
     tensors.update(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
     for name, t in tensors.items():
@@ -109,8 +118,11 @@ def paged_prefill_attention(
     rc = _LIBRARY.require().qw_paged_prefill_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         query_start_loc.data_ptr(), out.data_ptr(), seq_begin, seq_end, num_heads, num_kv_heads, head_dim,
-        block_size, block_tables.shape[1], num_blocks, float(scale), int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        block_size, block_tables.shape[1], num_blocks, float(scale),
+        # No window is a window as long as the longest context the tables can hold.
+        max(1, block_tables.shape[1] * block_size) if sliding_window is None else sliding_window,
+        int(logits_soft_cap is not None), 0.0 if logits_soft_cap is None else float(logits_soft_cap),
+        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     _LIBRARY.check("paged_prefill_attention", rc)
     return out
@@ -126,9 +138,13 @@ def paged_prefill_attention_reference(
     seq_begin: int,
     seq_end: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Obviously-correct reference for tests: float64, one sequence and head at a time. Returns the
-    rows of sequences [seq_begin, seq_end) (others zero)."""
+    """Obviously-correct reference for tests: float64, one sequence and head at a time, with the
+    window and cap of `paged_prefill_attention`. Returns the rows of sequences [seq_begin, seq_end)
+    (others zero)."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -140,8 +156,12 @@ def paged_prefill_attention_reference(
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].double()
         positions = torch.arange(length - (end - start), length)
         visible = torch.arange(length)[None, :] <= positions[:, None]  # [n, length]
+        if sliding_window is not None:
+            visible &= positions[:, None] - torch.arange(length)[None, :] < sliding_window
         for h in range(num_heads):
             scores = q[start:end, h].double() @ k[:, h // group].T * scale
+            if logits_soft_cap is not None:
+                scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[start:end, h] = (probs @ v[:, h // group]).to(q.dtype)
     return out
