@@ -19,7 +19,7 @@ from qworker.batch.command import batch
 from qworker.bench.command import bench
 from qworker.cli_options import config_options, engine_options, worker_options
 from qworker.config import EngineConfig
-from qworker.errors import ConnectError, EngineFailedError, QworkerError
+from qworker.errors import ConnectError, EngineFailedError, InvalidRequestError, QworkerError
 from qworker.worker.demand import PoolSizing
 from qworker.worker.exporter import DEFAULT_EXPORTER_PORT, DEFAULT_INTERVAL_S
 from qworker.worker.retry import BrokerOutageError
@@ -47,6 +47,7 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3  # a queue or result store that cannot be reached or logged in to
 EXIT_ENGINE_FAILED = 4  # engine steps failed max_step_failures times in a row
 EXIT_BROKER_OUTAGE = 5  # the queue or results store was unreachable longer than --broker-outage-s
+EXIT_WAIT_TIMEOUT = 6  # `submit`: no result (or no stream output) within --timeout
 
 AWS_CREDENTIAL_SOURCES = (
     "boto3 looked in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), the shared files "
@@ -108,10 +109,18 @@ def reported_errors() -> Iterator[None]:
     """Errors a user can fix (a bad URL or model, an unreachable store, a broken engine) end the
     command with one line on stderr and their exit code; the traceback is logged at DEBUG.
     Anything else propagates with its traceback (exit 1)."""
+    from pydantic import ValidationError
+
     try:
         yield
     except Exception as exc:
-        if isinstance(exc, EngineFailedError):
+        if isinstance(exc, ValidationError):
+            from qworker.worker.jobs import format_validation_error
+
+            exc, code = InvalidRequestError(f"invalid job: {format_validation_error(exc)}"), EXIT_USAGE
+        elif isinstance(exc, TimeoutError):
+            code = EXIT_WAIT_TIMEOUT
+        elif isinstance(exc, EngineFailedError):
             code = EXIT_ENGINE_FAILED
         elif isinstance(exc, BrokerOutageError):
             code = EXIT_BROKER_OUTAGE
@@ -290,15 +299,21 @@ def submit(
     raw: Annotated[
         bool, typer.Option(help="Send the prompt as plain text, without the chat template")
     ] = False,
-    max_tokens: int = 128,
-    temperature: float = 0.0,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate (params.max_tokens)")] = 128,
+    temperature: Annotated[
+        float, typer.Option(help="Sampling temperature; 0 is greedy (params.temperature)")
+    ] = 0.0,
     wait: Annotated[bool, typer.Option(help="Wait for the result and print it")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the result")] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as JSON")] = False,
+    log_level: Annotated[str, typer.Option(help="Root log level (DEBUG adds tracebacks)")] = "WARNING",
 ) -> None:
-    """Submit one job; print its id, then (by default) its text."""
+    """Submit one job; print its id, then (by default) its text. Exit codes: 0 completed, 1 the
+    job ended otherwise (failed, timeout, cancelled), 2 an invalid job or URL, 3 a store out of
+    reach, 6 no result within --timeout."""
     from qworker.worker.client import Client
 
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     job: dict = {"params": {"max_tokens": max_tokens, "temperature": temperature}}
     if raw:
         job["prompt"] = prompt
@@ -331,7 +346,9 @@ def submit(
 @app.command()
 def demo(
     num_jobs: Annotated[int, typer.Option(help="Chat jobs to submit")] = 20,
-    model: str = "smollm2",
+    model: Annotated[
+        str, typer.Option(help="smollm2, a local Hugging Face directory, or a .gguf file")
+    ] = "smollm2",
 ) -> None:
     """Embedded Redis + a worker on SmolLM2: submit chat jobs, stream one, print a table."""
     from qworker.worker.demo import run_demo

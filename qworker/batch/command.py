@@ -266,7 +266,7 @@ def batch(
     try:
         summary = run_batch(run, engine_config)
     except (BatchFileError, OutputFileError, BatchLocationError, InvalidURLError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"qworker: error: {exc}", err=True)
         raise typer.Exit(EXIT_BAD_FILE) from None
     except KeyboardInterrupt:
         typer.echo(
