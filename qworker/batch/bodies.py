@@ -128,8 +128,9 @@ def choice_logprobs_completion(
     initial_text_offset: int = 0,
 ) -> CompletionLogprobs:
     """OpenAI's legacy completions shape: parallel lists `tokens`, `token_logprobs`, `top_logprobs`
-    (a {token: logprob} dict per position) and `text_offset`. A position without logprobs (the
-    first prompt token, under echo) has None in both logprob lists."""
+    (a {token: logprob} dict per position: the `num_top` most likely tokens, plus the sampled one
+    when it is not among them, as OpenAI documents) and `text_offset`. A position without
+    logprobs (the first prompt token, under echo) has None in both logprob lists."""
     assert len(logprobs) == len(token_ids), f"{len(logprobs)} logprob positions for {len(token_ids)} tokens"
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     offset = initial_text_offset
@@ -142,12 +143,13 @@ def choice_logprobs_completion(
             sampled = position[token_id]
             token = _token_text(token_id, sampled, decode)
             out.token_logprobs.append(_finite(sampled.logprob))
-            out.top_logprobs.append(
-                {
-                    _token_text(top_id, entry, decode): _finite(entry.logprob)
-                    for top_id, entry in top_entries(position, num_top)
-                }
-            )
+            top = {
+                _token_text(top_id, entry, decode): _finite(entry.logprob)
+                for top_id, entry in top_entries(position, num_top)
+            }
+            # OpenAI's legacy format always holds the sampled token: up to num_top + 1 entries.
+            top.setdefault(token, _finite(sampled.logprob))
+            out.top_logprobs.append(top)
         out.tokens.append(token)
         out.text_offset.append(offset)
         offset += len(token)

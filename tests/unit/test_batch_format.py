@@ -327,7 +327,8 @@ def test_completion_logprobs_shape_with_echoed_prompt_positions():
     )
     assert out.tokens == ["A", "bc", "d"]
     assert out.token_logprobs == [None, -0.5, -2.0]
-    assert out.top_logprobs == [None, {"bc": -0.5}, {"z": -0.2}]
+    # The sampled "d" (rank 2) is not among the top 1, and OpenAI's legacy format still holds it.
+    assert out.top_logprobs == [None, {"bc": -0.5}, {"z": -0.2, "d": -2.0}]
     assert out.text_offset == [0, 1, 3]
 
 
