@@ -119,6 +119,9 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be a list of non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def check_model_limits(self, vocab_size: int) -> None:
         """Raise InvalidParamsError for values this model cannot run: token ids outside its

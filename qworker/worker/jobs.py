@@ -6,13 +6,24 @@ parameters are validated by the engine's own SamplingParams, so the rules live i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import types
+import typing
 import uuid
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from qworker.engine.outputs import CompletionOutput, Logprob, LogprobsDict
 from qworker.engine.sampling_params import SamplingParams
@@ -42,11 +53,59 @@ class JobStatus(str, Enum):
     CANCELLED = "cancelled"
 
 
+# OpenAI's chat roles.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: str = Field(min_length=1)
+    role: ChatRole
     content: str
+
+
+def _json_kind(annotation: Any) -> str | None:
+    """ "int", "float" or "bool" for a SamplingParams field of that scalar type (optional or not)."""
+    origin = typing.get_origin(annotation)
+    if origin is None:
+        kinds = {annotation}
+    elif origin in (typing.Union, types.UnionType):
+        kinds = {arg for arg in typing.get_args(annotation) if arg is not type(None)}
+    elif origin is list and typing.get_args(annotation) == (int,):
+        return "int list"
+    else:  # strings or lists of strings: SamplingParams checks them
+        return None
+    for kind in (bool, int, float):
+        if kinds == {kind}:
+            return kind.__name__
+    return None
+
+
+_PARAM_KINDS = {
+    name: kind
+    for name, annotation in typing.get_type_hints(SamplingParams).items()
+    if name in {f.name for f in dataclasses.fields(SamplingParams)}
+    and (kind := _json_kind(annotation)) is not None
+}
+
+
+def _strict_type_problem(name: str, value: Any) -> str | None:
+    """Why `value` is not of the JSON type of params field `name`; None when it is. pydantic
+    would coerce "10" and true to 10 and 1: a producer that sends those has a bug to hear about."""
+    kind = _PARAM_KINDS.get(name)
+    if value is None or kind is None:
+        return None
+    if kind == "bool" and not isinstance(value, bool):
+        return f"{name} must be true or false, got {value!r}"
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        return f"{name} must be an integer, got {value!r}"
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, int | float)):
+        return f"{name} must be a number, got {value!r}"
+    if kind == "int list" and not (
+        isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return f"{name} must be a list of integers, got {value!r}"[:300]
+    return None
 
 
 class Job(BaseModel):
@@ -57,16 +116,29 @@ class Job(BaseModel):
     id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=MAX_JOB_ID_CHARS)
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[StrictInt] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
-    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)
     timeout_s: float | None = Field(
-        default=None, gt=0, description="Execution deadline, from when a worker takes the job."
+        default=None, gt=0, strict=True, description="Execution deadline, from when a worker takes the job."
     )
     ttl_s: float | None = Field(
-        default=None, gt=0, description="Longest time the job may wait in the queue before it first starts."
+        default=None,
+        gt=0,
+        strict=True,
+        description="Longest time the job may wait in the queue before it first starts.",
     )
     metadata: dict[str, Any] | None = Field(default=None, description="Passed through to the result.")
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _params_of_their_json_types(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for name, item in value.items():
+                problem = _strict_type_problem(name, item)
+                if problem is not None:
+                    raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> Job:

@@ -51,6 +51,33 @@ def test_valid_job_forms():
         (b'{"prompt": "a", "prompt_token_ids": [1]}', "ValidationError", "got prompt, prompt_token_ids"),
         (b'{"prompt": "a", "timeout_s": 0}', "ValidationError", "timeout_s"),
         (b'{"id": "other", "prompt": "a"}', "ValidationError", "differs from its envelope id"),
+        # Strict JSON types: pydantic alone would take "10" and true as 10 and 1.
+        (
+            b'{"prompt": "a", "params": {"max_tokens": "10"}}',
+            "ValidationError",
+            "max_tokens must be an integer",
+        ),
+        (
+            b'{"prompt": "a", "params": {"max_tokens": true}}',
+            "ValidationError",
+            "max_tokens must be an integer",
+        ),
+        (b'{"prompt": "a", "params": {"max_tokens": 1e308}}', "ValidationError", "an integer, got 1e+308"),
+        (
+            b'{"prompt": "a", "params": {"temperature": "0.5"}}',
+            "ValidationError",
+            "temperature must be a number",
+        ),
+        (
+            b'{"prompt": "a", "params": {"ignore_eos": 1}}',
+            "ValidationError",
+            "ignore_eos must be true or false",
+        ),
+        (b'{"prompt": "a", "params": {"stop_token_ids": ["3"]}}', "ValidationError", "a list of integers"),
+        (b'{"prompt": "a", "priority": "3"}', "ValidationError", "priority"),
+        (b'{"prompt": "a", "timeout_s": "5"}', "ValidationError", "timeout_s"),
+        (b'{"prompt_token_ids": [1, true]}', "ValidationError", "prompt_token_ids.1"),
+        (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "ValidationError", "messages.0.role"),
     ],
 )
 def test_bad_jobs_fail_with_clear_messages(body, error_type, fragment):
