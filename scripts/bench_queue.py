@@ -27,8 +27,8 @@ from qworker.bench.metrics import summarize
 from qworker.bench.queue_client import QueueClientSystem
 from qworker.bench.qworker_engine import QworkerEngineSystem
 from qworker.bench.report import format_number, markdown_table
+from qworker.bench.run import RunResult
 from qworker.bench.run_loop import run_system, warm_up
-from qworker.bench.system import RunResult
 from qworker.bench.workload import BenchRequest, load_workload, requests_for_model
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine

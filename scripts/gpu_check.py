@@ -41,8 +41,9 @@ from typing import Any
 
 from qworker.bench.metrics import summarize
 from qworker.bench.report import markdown_table
+from qworker.bench.run import RunLimits, RunResult
 from qworker.bench.run_loop import run_system, warm_up
-from qworker.bench.system import RunLimits, RunResult, System
+from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest, LengthSpec, generate_requests, load_workload, parse_workload
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,9 +18,10 @@ import typer
 
 from qworker.bench.metrics import DEFAULT_PERCENTILES, parse_slo
 from qworker.bench.registry import BenchSettings, SystemSpec, build_system, parse_systems
+from qworker.bench.run import RunLimits
 from qworker.bench.run_loop import warm_up
 from qworker.bench.sweep import RequestSet, parse_rates, run_sweep
-from qworker.bench.system import RunLimits, System
+from qworker.bench.system import System
 from qworker.bench.workload import load_workload, packaged_workloads, requests_for_model
 from qworker.cli_options import engine_options
 from qworker.config import EngineConfig

@@ -19,7 +19,7 @@ import torch
 from transformers import StoppingCriteria
 
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.run_loop import Run, RunClock
+from qworker.bench.run import Run, RunClock
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 

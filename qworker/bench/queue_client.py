@@ -38,7 +38,7 @@ from qworker.bench.registry import (
     engine_config_for,
     parse_field_options,
 )
-from qworker.bench.run_loop import IDLE_POLL_S, Run, RunClock
+from qworker.bench.run import IDLE_POLL_S, Run, RunClock
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 from qworker.cli_options import config_option_list, config_to_args

@@ -15,7 +15,7 @@ from typing import Any
 
 from qworker.bench.kv_usage import KVSample
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.run_loop import Run
+from qworker.bench.run import Run
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 from qworker.config import EngineConfig

@@ -14,8 +14,9 @@ from typing import Any
 
 from qworker.bench.kv_usage import summarize_kv
 from qworker.bench.metrics import summarize
+from qworker.bench.run import RunLimits
 from qworker.bench.run_loop import run_system
-from qworker.bench.system import RunLimits, System
+from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest, WorkloadSpec, request_set_digest
 
 

@@ -3,44 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qworker.bench.kv_usage import KVSample
 from qworker.bench.records import RequestRecord
+from qworker.bench.run import Run
 from qworker.bench.workload import BenchRequest
-
-if TYPE_CHECKING:
-    from qworker.bench.run_loop import Run
-
-
-@dataclass(frozen=True)
-class RunLimits:
-    """How long a run may take. Whatever is not done by then is counted as a timeout."""
-
-    # Seconds a run may go on after its last scheduled arrival.
-    drain_timeout_s: float | None = None
-    # Seconds from send to finish for one request.
-    request_timeout_s: float | None = None
-
-    def run_deadline(self, requests: Sequence[BenchRequest]) -> float | None:
-        if self.drain_timeout_s is None or not requests:
-            return None
-        return requests[-1].arrival_s + self.drain_timeout_s
-
-
-@dataclass
-class RunResult:
-    system: str
-    mode: str
-    records: list[RequestRecord]
-    duration_s: float
-    kv_samples: list[KVSample] = field(default_factory=list)
-    num_preemptions: int | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    # request id -> generated token ids, when the run was asked to keep them (parity checks).
-    token_ids: dict[str, list[int]] | None = None
 
 
 class System(ABC):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.run_loop import IDLE_POLL_S, Run
+from qworker.bench.run import IDLE_POLL_S, Run
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 

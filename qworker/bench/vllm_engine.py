@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.run_loop import Run, RunClock
+from qworker.bench.run import Run, RunClock
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 

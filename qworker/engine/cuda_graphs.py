@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from qworker.engine.step_inputs import StepInputs
 from qworker.model.attention import AttentionMetadata
 from qworker.utils import cdiv
-
-if TYPE_CHECKING:
-    from qworker.engine.runner import StepInputs
 
 # (input_ids [n] int64, positions [n] int64, meta) -> hidden [n, hidden]: the model over the KV cache.
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]

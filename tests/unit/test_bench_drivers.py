@@ -12,8 +12,8 @@ import torch
 from qworker.bench.hf_generate import HFGenerateSystem
 from qworker.bench.qworker_engine import QworkerEngineSystem
 from qworker.bench.records import RequestStatus
+from qworker.bench.run import RunLimits, RunResult
 from qworker.bench.run_loop import run_system, warm_up
-from qworker.bench.system import RunLimits, RunResult
 from qworker.bench.workload import BenchRequest, generate_requests, parse_workload
 from qworker.config import EngineConfig
 from qworker.testing import TINY_LLAMA

@@ -13,8 +13,8 @@ import pytest
 
 from qworker.bench.records import RequestStatus
 from qworker.bench.registry import BenchSettings, SystemSpecError, build_system, parse_systems
+from qworker.bench.run import RunLimits
 from qworker.bench.run_loop import run_system, warm_up
-from qworker.bench.system import RunLimits
 from qworker.bench.vllm_cpu import VLLMCpuSystem, binding_env, driver_env
 from qworker.bench.workload import BenchRequest
 

@@ -1,0 +1,28 @@
+"""What the runner hands the model for one step: the step's tensors and which rows are sampled.
+
+Its own module because the runner builds it and the decode CUDA graphs read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qworker.engine.scheduler import ScheduledRequest
+from qworker.model.attention import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    # [num_sampled] rows of the hidden states whose next token is sampled
+    logits_indices: torch.Tensor
+    sampled_requests: list[ScheduledRequest]
+    # Prompt logprobs: [P] rows of the hidden states whose logits score the next prompt token,
+    # [P] those tokens, and per request asking (its id, its k, how many rows are its own).
+    prompt_logits_indices: torch.Tensor | None = None
+    prompt_target_ids: torch.Tensor | None = None
+    prompt_logprobs_rows: list[tuple[str, int, int]] = field(default_factory=list)

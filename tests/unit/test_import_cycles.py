@@ -1,0 +1,131 @@
+"""No import cycles inside qworker: the graph of which module imports which has no cycle.
+
+Every import counts, at the top of a file, under `if TYPE_CHECKING:` (a type shared both ways is a
+circle too) and inside functions: a lazy import that closes a circle (`attention` choosing
+`triton_attention`, which imports `attention`'s types) still ties the two modules together, and
+the cure is the same, moving the shared types down. Read from the source with `ast`: nothing is
+imported, so it costs well under a second.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import qworker
+
+pytestmark = pytest.mark.timeout(60)
+
+PACKAGE_DIR = Path(qworker.__file__).resolve().parent
+
+
+def module_files(package_dir: Path) -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    root = package_dir.parent
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that `name` imports anywhere in its file. `from a.b import c` counts
+    as an import of `a.b.c` when that is a module, else of `a.b`."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names
+            ]
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    modules = module_files(package_dir)
+    known = set(modules)
+    return {name: imported_modules(name, path, known) for name, path in modules.items()}
+
+
+def test_the_checker_finds_a_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import C\n"
+    )
+    (pkg / "c.py").write_text("import pkg.a\n\ndef lazy():\n    from pkg import d\n")
+    (pkg / "d.py").write_text("from pkg.c import lazy\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}
+    assert graph["pkg.c"] == {"pkg.a", "pkg.d"} and graph["pkg.d"] == {"pkg.c"}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.d", "pkg.sub.b"]]
+    (pkg / "c.py").write_text("def lazy():\n    from pkg import d\n")
+    assert cycles(import_graph(pkg)) == [["pkg.c", "pkg.d"]]
+    (pkg / "d.py").write_text("import pkg\n")
+    assert cycles(import_graph(pkg)) == []
+
+
+def test_qworker_has_no_import_cycles():
+    graph = import_graph(PACKAGE_DIR)
+    assert len(graph) > 50, f"found only {len(graph)} modules under {PACKAGE_DIR}"
+    found = cycles(graph)
+    assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
