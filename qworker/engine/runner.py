@@ -14,7 +14,8 @@ from qworker.config import DTYPE_ALIASES, EngineConfig
 from qworker.engine.cuda_graphs import DecodeCudaGraphs
 from qworker.engine.request import Request
 from qworker.engine.sampler import PositionLogprobs, Sampler, SamplingRow, compute_logprobs
-from qworker.engine.scheduler import ScheduledRequest, SchedulerOutput
+from qworker.engine.scheduler import SchedulerOutput
+from qworker.engine.step_inputs import StepInputs
 from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
 from qworker.model.llama import LlamaForCausalLM
@@ -57,21 +58,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in DTYPE_ALIASES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return getattr(torch, DTYPE_ALIASES[dtype])
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    # [num_sampled] rows of the hidden states whose next token is sampled
-    logits_indices: torch.Tensor
-    sampled_requests: list[ScheduledRequest]
-    # Prompt logprobs: [P] rows of the hidden states whose logits score the next prompt token,
-    # [P] those tokens, and per request asking (its id, its k, how many rows are its own).
-    prompt_logits_indices: torch.Tensor | None = None
-    prompt_target_ids: torch.Tensor | None = None
-    prompt_logprobs_rows: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 @dataclass
