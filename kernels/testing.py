@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -117,7 +117,7 @@ def varlen_seqs(block_size: int) -> list[tuple[int, int]]:
         (block_size, 1),
         (3 * block_size + 5, 1),
         (0, 7),
-        (block_size - 3, 7),
+        (max(0, block_size - 3), 7),
         (2 * block_size + 1, 64),
         (0, 64),
     ]
@@ -126,6 +126,20 @@ def varlen_seqs(block_size: int) -> list[tuple[int, int]]:
 def decode_seqs(block_size: int) -> list[tuple[int, int]]:
     """Decode rows (one query token each) up to a 1000-token context."""
     return [(0, 1), (block_size - 1, 1), (block_size, 1), (999, 1), (5 * block_size + 2, 1)]
+
+
+def attention_extras_cases(block_size: int) -> list[tuple[int | None, float | None]]:
+    """(sliding_window, logits_soft_cap) pairs for the attention kernels. Against varlen_seqs and
+    decode_seqs: a window of 1, one equal to the contexts of block_size + 1 (so shorter than
+    others, and not a multiple of the block size), one longer than every context, a cap alone,
+    and a cap with a window. Scores of a few units bend under a cap of 2.5 (see EXTRAS_SCALE)."""
+    return [(1, None), (block_size + 1, None), (5000, None), (None, 2.5), (2 * block_size + 3, 2.5)]
+
+
+# Softmax scale of the extras cases: randn q and k give scaled scores of about 3 units, so a cap of
+# 2.5 changes most of them (the usual head_dim ** -0.5 gives scores near 1, where tanh is almost
+# linear and a missing cap would hide inside the tolerance).
+EXTRAS_SCALE_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,24 @@ def compare(
     return CaseResult(kernel, case, dtype_name, ok, max_err, tol, has_nan)
 
 
+def _extras_checks(
+    pa: ModuleType, varlen: PagedBatch, decode: PagedBatch, name: str, max_seq_len: int
+) -> Iterator[CaseResult]:
+    """The attention kernels with each of attention_extras_cases, against their references."""
+    block_size = varlen.k_cache.shape[1]
+    for window, cap in attention_extras_cases(block_size):
+        extras = {"sliding_window": window, "logits_soft_cap": cap}
+        case = f"{name}_window{window}_cap{cap}"
+        b = replace(varlen, scale=varlen.scale * EXTRAS_SCALE_FACTOR)
+        got = pa.paged_attention(*b.varlen_args, max_query_len=64, max_seq_len=max_seq_len, **extras)
+        yield compare("paged_attention", case, got, pa.paged_attention_reference(*b.varlen_args, **extras))
+        d = replace(decode, scale=decode.scale * EXTRAS_SCALE_FACTOR)
+        expected = pa.paged_decode_attention_reference(*d.decode_args, **extras)
+        for num_splits in (None, 3):  # 3 splits of a window: some of them empty
+            got = pa.paged_decode_attention(*d.decode_args, num_splits=num_splits, max_seq_len=1000, **extras)
+            yield compare("paged_decode_attention", f"{case}_splits{num_splits}", got, expected)
+
+
 def kernel_modules() -> dict[str, ModuleType]:
     """This package's Triton kernel modules, by file name."""
     return {name: importlib.import_module(f"qworker_kernels.{name}") for name in KERNEL_MODULES}
@@ -187,6 +219,11 @@ def reference_checks(
 
     for dtype in dtypes:
         grid = [(bs, hd, g) for bs in block_sizes for hd in head_dims for g in gqa_ratios]
+        # Windows and soft-caps: every block size, head dim and GQA ratio once (each point and
+        # switch is a compile), in the first dtype; the first point in the others.
+        extras_points = {grid[0]}
+        extras_points |= {(bs, head_dims[0], gqa_ratios[0]) for bs in block_sizes}
+        extras_points |= {(block_sizes[0], hd, gqa_ratios[-1]) for hd in head_dims}
         for block_size, head_dim, gqa in grid if dtype == dtypes[0] else grid[:1]:
             shape = dict(block_size=block_size, head_dim=head_dim, num_heads=2 * gqa, num_kv_heads=2)
             name = f"bs{block_size}_hd{head_dim}_gqa{gqa}"
@@ -203,6 +240,8 @@ def reference_checks(
             for num_splits in (None, 1):
                 got = pa.paged_decode_attention(*d.decode_args, num_splits=num_splits, max_seq_len=1000)
                 yield compare("paged_decode_attention", f"{name}_splits{num_splits}", got, expected)
+            if (block_size, head_dim, gqa) in extras_points:
+                yield from _extras_checks(pa, b, d, name, max(p + q for p, q in seqs))
 
     for dtype in dtypes:
         num_blocks, block_size, kvh, hd, tokens = 12, 16, 8, 64, 37

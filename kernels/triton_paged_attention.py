@@ -4,6 +4,12 @@ rows, and a split-K (flash-decoding) kernel plus a reduce kernel for batches of 
 Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
 the token at position p of sequence s lives in block block_tables[s, p // block_size], slot
 p % block_size. Every launcher also has a plain-torch `*_reference` twin used by the tests.
+
+Per-layer extras, keyword arguments of every launcher: `sliding_window` W (the query at position i
+sees key j iff j <= i and i - j < W; tiles wholly before a query block's windows are never loaded,
+and a windowed decode splits only its window) and `logits_soft_cap` c (the scaled scores s become
+tanh(s / c) * c before the softmax, Gemma 2). Both are constexpr switches, so a layer without them
+runs the same code as before they existed.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from qworker_kernels.constants import FLOAT_DTYPES, is_triton_interpreter_enabled
+from qworker_kernels.constants import FLOAT_DTYPES, check_attention_extras, is_triton_interpreter_enabled
 
 _LOG2E = 1.4426950408889634
 # Split-K heuristics for decode: aim for this many programs per SM, and never make a split
@@ -39,6 +45,14 @@ def _dot(a, b, DOT_MODE: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from one exp of a non-positive argument: no overflow, 1 - e close to 2|x| near 0.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -74,6 +88,8 @@ def _attend_tile(
     offs_d,
     d_valid,
     scale_log2,
+    cap_scale,  # softmax scale / soft cap (USE_SOFT_CAP)
+    cap_log2,  # soft cap * log2(e) (USE_SOFT_CAP)
     stride_kb,
     stride_ks,
     stride_kh,
@@ -82,6 +98,7 @@ def _attend_tile(
     stride_vh,
     BLOCK_SIZE: tl.constexpr,
     DOT_MODE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     # One step of the online softmax over a tile of keys read through the block table.
     # int64: block_id * stride_kb overflows int32 on caches over 2^31 elements.
@@ -96,7 +113,10 @@ def _attend_tile(
         mask=n_valid[None, :] & d_valid[:, None],
         other=0.0,
     )  # [HEAD_DIM_PAD, TILE_N]
-    s = _dot(q, k, DOT_MODE) * scale_log2  # [M, TILE_N] fp32
+    if USE_SOFT_CAP:  # cap * tanh(scale * qk / cap), in base 2
+        s = _tanh(_dot(q, k, DOT_MODE) * cap_scale) * cap_log2  # [M, TILE_N] fp32
+    else:
+        s = _dot(q, k, DOT_MODE) * scale_log2  # [M, TILE_N] fp32
     s = tl.where(is_visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing visible yet (padding rows, empty splits) keeps m = -inf; subtracting 0
@@ -128,6 +148,9 @@ def _paged_attention_varlen_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    cap_scale,
+    cap_log2,
+    sliding_window,  # read with USE_WINDOW only
     num_seqs,
     stride_qt,
     stride_qh,
@@ -148,6 +171,8 @@ def _paged_attention_varlen_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_MODE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -181,20 +206,28 @@ def _paged_attention_varlen_kernel(
 
     # Keys past the block's last query token are masked for every row: stop there.
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    # Keys before the block's first query's window are masked for every row: start at its tile.
+    kv_start = kv_end * 0
+    if USE_WINDOW:
+        first_q_pos = context_len + q_block_local * BLOCK_Q
+        kv_start = tl.maximum(first_q_pos - sliding_window + 1, 0) // TILE_N * TILE_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, TILE_N):
+    for start_n in range(kv_start, kv_end, TILE_N):
         offs_n = start_n + tl.arange(0, TILE_N)
         n_valid = offs_n < kv_end
         is_visible = (offs_n[None, :] <= q_abs_pos[:, None]) & n_valid[None, :]  # [BLOCK_M, TILE_N]
+        if USE_WINDOW:
+            is_visible = is_visible & (q_abs_pos[:, None] - offs_n[None, :] < sliding_window)
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, offs_n, n_valid, is_visible,
             k_cache_ptr, v_cache_ptr, block_table_row, kv_head, offs_d, d_valid, scale_log2,
+            cap_scale, cap_log2,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, DOT_MODE,
+            BLOCK_SIZE, DOT_MODE, USE_SOFT_CAP,
         )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -217,6 +250,9 @@ def _paged_decode_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     scale_log2,
+    cap_scale,
+    cap_log2,
+    sliding_window,  # read with USE_WINDOW only
     stride_qs,
     stride_qh,
     stride_os,
@@ -237,15 +273,23 @@ def _paged_decode_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_MODE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # The query (at position seq_len - 1) sees keys from window_start on; the splits share out
+    # the tiles from the one holding window_start, so keys before it are never loaded.
+    window_start = seq_len * 0
+    if USE_WINDOW:
+        window_start = tl.maximum(seq_len - sliding_window, 0)
+    first_tile = window_start // TILE_N * TILE_N
     # Splits cover whole tiles so that no tile straddles two programs.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS)
-    split_start = split * tiles_per_split * TILE_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first_tile, TILE_N), NUM_SPLITS)
+    split_start = first_tile + split * tiles_per_split * TILE_N
     split_end = tl.minimum(seq_len, split_start + tiles_per_split * TILE_N)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -266,13 +310,14 @@ def _paged_decode_attention_kernel(
     block_table_row = block_tables_ptr + seq64 * stride_bt
     for start_n in range(split_start, split_end, TILE_N):
         offs_n = start_n + tl.arange(0, TILE_N)
-        n_valid = offs_n < split_end
+        n_valid = (offs_n < split_end) & (offs_n >= window_start)
         # One query token per sequence: every key of the split is visible to every row.
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, offs_n, n_valid, n_valid[None, :],
             k_cache_ptr, v_cache_ptr, block_table_row, kv_head, offs_d, d_valid, scale_log2,
+            cap_scale, cap_log2,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, DOT_MODE,
+            BLOCK_SIZE, DOT_MODE, USE_SOFT_CAP,
         )  # fmt: skip
 
     is_empty = l_i == 0.0  # a split past the end of a short sequence
@@ -433,6 +478,18 @@ def _head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
 
 
+def _extras_args(
+    scale: float, sliding_window: int | None, logits_soft_cap: float | None
+) -> tuple[tuple[float, float, int], dict[str, bool]]:
+    """(cap_scale, cap_log2, sliding_window) for the kernels, and their USE_* switches."""
+    check_attention_extras(sliding_window, logits_soft_cap)
+    cap = 1.0 if logits_soft_cap is None else float(logits_soft_cap)
+    # Unread without USE_WINDOW; 1 rather than 0 keeps Triton's specialization of it steady.
+    window = 1 if sliding_window is None else sliding_window
+    switches = {"USE_WINDOW": sliding_window is not None, "USE_SOFT_CAP": logits_soft_cap is not None}
+    return (float(scale) / cap, cap * _LOG2E, window), switches
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -444,6 +501,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its whole cached context.
 
@@ -455,10 +514,13 @@ def paged_decode_attention(
     and a second kernel merges them, so a few long sequences still fill the GPU. With
     num_splits=None it is chosen from the batch size and `max_seq_len` (an upper bound on
     seq_lens; defaults to block_tables.shape[1] * block_size, which needs no device sync).
+    `sliding_window` and `logits_soft_cap`: see the module docstring; with a window the splits
+    share out the window only.
     """
     num_seqs = q.shape[0] if q.dim() == 3 else -1
     _check_cache_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, scale)
     out = _check_out(out, q)
+    extras, switches = _extras_args(scale, sliding_window, logits_soft_cap)
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
@@ -468,7 +530,9 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_decode_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        # A window (plus the tile it starts in) is all a query reads.
+        keys_read = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + _TILE_N)
+        num_splits = choose_decode_num_splits(num_seqs, num_kv_heads, keys_read, q.device)
 
     num_queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = _head_dim_pad(head_dim)
@@ -482,7 +546,7 @@ def paged_decode_attention(
         partial_out = partial_lse = out
     _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, seq_lens,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E, *extras,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -496,6 +560,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         TILE_N=tile_n,
         DOT_MODE=_dot_mode(q.dtype, q.device),
+        **switches,
         num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
@@ -523,6 +588,8 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for a varlen batch of new query tokens (prefill chunks and decode rows).
 
@@ -535,7 +602,8 @@ def paged_attention(
 
     `max_query_len` (known to the caller on the host) picks the tile size; when it is 1, or when
     it is None and num_tokens == num_seqs, the batch goes to `paged_decode_attention` (split-K).
-    `max_seq_len` is forwarded there to pick the number of splits. Returns out, shaped like q.
+    `max_seq_len` is forwarded there to pick the number of splits. `sliding_window` and
+    `logits_soft_cap`: see the module docstring. Returns out, shaped like q.
     """
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
         raise ValueError(f"query_start_loc must be [num_seqs + 1], got {tuple(query_start_loc.shape)}")
@@ -548,14 +616,16 @@ def paged_attention(
     num_seqs = query_start_loc.shape[0] - 1
     _check_cache_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, scale)
     out = _check_out(out, q)
+    extras, switches = _extras_args(scale, sliding_window, logits_soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_tokens == 0 or num_seqs == 0:
         return out
     if max_query_len == 1 or (max_query_len is None and num_tokens == num_seqs):
         return paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_seq_len=max_seq_len
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_seq_len=max_seq_len,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
 
     num_queries_per_kv = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(num_queries_per_kv)
@@ -568,7 +638,7 @@ def paged_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_varlen_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        float(scale) * _LOG2E, num_seqs,
+        float(scale) * _LOG2E, *extras, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -581,6 +651,7 @@ def paged_attention(
         BLOCK_Q=block_q,
         TILE_N=max(_TILE_N, triton.next_power_of_2(block_size)),
         DOT_MODE=_dot_mode(q.dtype, q.device),
+        **switches,
         # sm_90 compile: BLOCK_M=64 needs about 190 registers a thread at 4 warps, 140 at 8.
         num_warps=8 if block_m >= 64 else 4,
     )  # fmt: skip
@@ -609,6 +680,9 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch `paged_attention`: one sequence at a time, fp32 softmax."""
     out = torch.empty_like(q) if out is None else out
@@ -625,9 +699,14 @@ def paged_attention_reference(
         k = k.repeat_interleave(num_queries_per_kv, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(num_queries_per_kv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]  # [query_len, seq_len]
+        if sliding_window is not None:
+            hidden |= q_pos[:, None] - k_pos[None, :] >= sliding_window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[starts[s] : starts[s + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
@@ -641,7 +720,13 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch `paged_decode_attention` (num_splits does not change the math)."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+    )  # fmt: skip

@@ -6,7 +6,14 @@ import qworker_kernels.triton_paged_attention as pa
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from qworker_kernels.testing import PagedBatch, make_paged_batch
+from qworker_kernels.testing import (
+    EXTRAS_SCALE_FACTOR,
+    PagedBatch,
+    attention_extras_cases,
+    decode_seqs,
+    make_paged_batch,
+    varlen_seqs,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(120)
@@ -97,6 +104,57 @@ def test_paged_decode_attention_matches_reference(case: tuple) -> None:
         b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.scale
     )
     assert_close(out, expected)
+
+
+# (block_size, head_dim, num_heads, num_kv_heads, dtype): head dims 48/64/80/128, GQA 1 and 4,
+# block sizes 1/16/32, both dtypes.
+EXTRAS_SHAPES = {
+    "bs1_hd48_mha_fp32": (1, 48, 4, 4, torch.float32),
+    "bs16_hd64_gqa4_bf16": (16, 64, 8, 2, torch.bfloat16),
+    "bs32_hd80_gqa4_fp32": (32, 80, 4, 1, torch.float32),
+    "bs16_hd128_mha_fp32": (16, 128, 2, 2, torch.float32),
+    "bs32_hd48_gqa4_bf16": (32, 48, 4, 1, torch.bfloat16),
+}
+# Each shape takes 3 of the 5 (window, cap) pairs, in turn, so that every pair meets several
+# shapes and both dtypes, at 15 interpreter runs rather than 25.
+EXTRAS_CASES = [
+    pytest.param(shape, window, cap, id=f"{name}-window{window}-cap{cap}")
+    for i, (name, shape) in enumerate(EXTRAS_SHAPES.items())
+    for j, (window, cap) in enumerate(attention_extras_cases(shape[0]))
+    if (i + j) % 5 < 3
+]
+
+
+@pytest.mark.parametrize(("shape", "window", "soft_cap"), EXTRAS_CASES)
+def test_sliding_window_and_soft_cap(shape: tuple, window: int | None, soft_cap: float | None) -> None:
+    block_size, head_dim, num_heads, num_kv_heads, dtype = shape
+    dims = dict(block_size=block_size, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    extras = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    b = make_batch(varlen_seqs(block_size), dtype=dtype, **dims)
+    b.scale *= EXTRAS_SCALE_FACTOR
+    got = run_varlen(b, max_query_len=64, **extras)
+    expected = pa.paged_attention_reference(*b.varlen_args, **extras)
+    assert_close(got, expected)
+    if window is not None and window < 100:  # the window cuts some contexts short
+        full = pa.paged_attention_reference(*b.varlen_args, logits_soft_cap=soft_cap)
+        assert not torch.allclose(got.float(), full.float(), **TOLERANCE[dtype])
+    # decode_seqs without its 1000-token context, which costs seconds in the interpreter.
+    d = make_batch(
+        [(n, 1) for n, _ in decode_seqs(block_size) if n < 500] + [(130, 1)], dtype=dtype, seed=1, **dims
+    )
+    d.scale *= EXTRAS_SCALE_FACTOR
+    # Three splits of the window, some empty when it is short.
+    got = pa.paged_decode_attention(*d.decode_args, num_splits=3, **extras)
+    assert_close(got, pa.paged_decode_attention_reference(*d.decode_args, **extras))
+
+
+def test_extras_reject_bad_values() -> None:
+    b = make_batch([(3, 1)], block_size=16, head_dim=64, num_heads=2, num_kv_heads=2, dtype=torch.float32)
+    for extras in ({"sliding_window": 0}, {"sliding_window": 1.5}, {"logits_soft_cap": -1.0}):
+        with pytest.raises(ValueError, match=r"sliding_window|logits_soft_cap"):
+            run_varlen(b, **extras)
+        with pytest.raises(ValueError, match=r"sliding_window|logits_soft_cap"):
+            pa.paged_decode_attention(*b.decode_args, **extras)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -257,15 +315,27 @@ def test_kernels_compile_for_sm90_without_spills(compile_for_sm90) -> None:
         dict(kernel="_paged_attention_varlen_kernel", num_warps=4,
              constexprs=dict(common, num_seqs=1, stride_bt=1, NUM_QUERIES_PER_KV=4, BLOCK_M=16, BLOCK_Q=4)),
     ]  # fmt: skip
+    # Windowed and soft-capped layers: the same kernels with both switches on.
+    extras = dict(USE_WINDOW=True, USE_SOFT_CAP=True)
+    specs += [
+        dict(kernel="_paged_attention_varlen_kernel", num_warps=8,
+             constexprs=dict(common, **extras, NUM_QUERIES_PER_KV=1, BLOCK_M=64, BLOCK_Q=64)),
+        dict(kernel="_paged_decode_attention_kernel", num_warps=4,
+             constexprs=dict(common, **extras, NUM_HEADS=32, NUM_QUERIES_PER_KV=4, GROUP_PAD=16,
+                             NUM_SPLITS=8)),
+    ]  # fmt: skip
     for spec in specs:
-        spec.update(pointer_types=BF16_POINTERS, float_args=["scale_log2"])
+        if spec["kernel"] != "_paged_decode_reduce_kernel":  # the merge knows no extras
+            spec["constexprs"] = {"USE_WINDOW": False, "USE_SOFT_CAP": False, **spec["constexprs"]}
+        spec.update(pointer_types=BF16_POINTERS, float_args=["scale_log2", "cap_scale", "cap_log2"])
     # fp32 caches take the exact (input_precision="ieee") dot; odd head_dim and GQA group.
     fp32_pointers = {name: "*fp32" if "bf16" in t else t for name, t in BF16_POINTERS.items()}
     specs.append(
         dict(kernel="_paged_decode_attention_kernel", num_warps=4, pointer_types=fp32_pointers,
-             float_args=["scale_log2"],
+             float_args=["scale_log2", "cap_scale", "cap_log2"],
              constexprs=dict(NUM_HEADS=6, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=32, TILE_N=64,
-                             DOT_MODE=pa._DOT_FP32_IEEE, NUM_QUERIES_PER_KV=3, GROUP_PAD=16, NUM_SPLITS=3))
+                             DOT_MODE=pa._DOT_FP32_IEEE, NUM_QUERIES_PER_KV=3, GROUP_PAD=16, NUM_SPLITS=3,
+                             USE_WINDOW=True, USE_SOFT_CAP=False))
     )  # fmt: skip
     results = compile_for_sm90("triton_paged_attention", specs)
     for spec, result in zip(specs, results, strict=True):
