@@ -23,6 +23,16 @@ class UnknownModelError(QworkerError, ValueError):
     """The model name or path does not resolve to a model qworker can load."""
 
 
+class UnsupportedModelError(UnknownModelError):
+    """A model whose `model_type` (or a part of it, such as its activation or RoPE type) no
+    registered model family runs. The message lists the supported model types."""
+
+
+class CheckpointError(QworkerError, ValueError):
+    """A checkpoint whose tensors do not match its config: a tensor missing, one the model has
+    no place for, or one of the wrong shape. Raised at load, before anything is served."""
+
+
 class EngineStepError(QworkerError):
     """One engine step failed after it was scheduled. `request_ids` are the requests the step ran:
     their state is unknown, so the caller should abort them (which frees their KV blocks); the

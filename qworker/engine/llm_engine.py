@@ -130,8 +130,6 @@ class LLMEngine:
     def _max_model_len(self) -> int:
         mc = self.model_config
         limit = mc.max_position_embeddings
-        if mc.sliding_window:
-            limit = min(limit, mc.sliding_window)
         if self.config.max_model_len is not None:
             if self.config.max_model_len > limit:
                 raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's {limit}")

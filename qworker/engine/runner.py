@@ -18,8 +18,9 @@ from qworker.engine.scheduler import SchedulerOutput
 from qworker.engine.step_inputs import StepInputs
 from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
-from qworker.model.llama import LlamaForCausalLM
+from qworker.model.decoder import DecoderForCausalLM
 from qworker.model.ops import select_model_ops
+from qworker.model.weights import load_checkpoint
 from qworker.utils import cdiv
 
 # CPU default for the KV pool when neither num_kv_blocks nor kv_cache_memory_gb is given.
@@ -74,7 +75,7 @@ class RunnerOutput:
 class ModelRunner:
     """Owns the model on its device and the paged KV cache; runs one scheduler plan per step.
 
-    `state_dict` holds Hugging Face Llama-style weights (None leaves the random init, for tests).
+    `state_dict` holds a Hugging Face checkpoint's tensors (None leaves the random init, for tests).
     `eos_token_ids` are masked while a request is below its min_tokens. CUDA graphs are enabled at
     construction on CUDA with a backend that supports them, unless `config.enforce_eager`.
     """
@@ -93,11 +94,16 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
-        self.backend = select_attention_backend(config.attention_backend, self.device)
+        self.backend = select_attention_backend(
+            config.attention_backend,
+            self.device,
+            needs_sliding_window=model_config.has_sliding_window,
+            needs_logits_soft_cap=model_config.attn_logit_soft_cap is not None,
+        )
         ops = select_model_ops(self.backend.name, self.device)
-        model = LlamaForCausalLM(model_config, max_positions=max_model_len, ops=ops)
+        model = DecoderForCausalLM(model_config, max_positions=max_model_len, ops=ops)
         if state_dict is not None:
-            model.load_hf_state_dict(state_dict)
+            load_checkpoint(model, state_dict, model_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         # RoPE tables stay float32, as transformers computes them.
         self.model.rotary.float()

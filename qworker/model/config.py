@@ -1,20 +1,82 @@
+"""What a decoder is made of, as plain data: the shape, and the small named parts in which model
+families differ (norm kind and placement, MLP or MoE, attention extras, embedding scale,
+soft-capping, per-layer window and RoPE). A family module (qworker.model.families) reads a
+Hugging Face config into a `ModelConfig`; the decoder (qworker.model.decoder) builds from it.
+"""
+
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+class NormKind(enum.Enum):
+    # transformers' LlamaRMSNorm: normalise in fp32, cast to the model dtype, then times weight.
+    RMS = "rms"
+    # Gemma's RMSNorm: normalise and multiply by (1 + weight) in fp32, then cast.
+    RMS_PLUS_ONE = "rms_plus_one"
+
+
+class NormPlacement(enum.Enum):
+    # norm -> attention -> add; norm -> MLP -> add (Llama, Qwen, Mistral, Phi-3)
+    PRE = "pre"
+    # norm -> attention -> norm -> add; norm -> MLP -> norm -> add (Gemma 2 and 3)
+    SANDWICH = "sandwich"
+
+
+class Activation(enum.Enum):
+    SILU = "silu"
+    # tanh-approximated GELU (transformers' gelu_pytorch_tanh): Gemma's GeGLU
+    GELU_TANH = "gelu_tanh"
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """One set of rotary frequencies; `long_inv_freq` (longrope) replaces `inv_freq` for a
+    sequence whose context passes `original_max_position_embeddings`, as transformers does."""
+
+    # [rotary_dim // 2] float32; rotary_dim < head_dim with a partial rotary factor.
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    long_inv_freq: torch.Tensor | None = None
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MoE block: softmax over the router logits, top-k, then (`norm_topk_prob`) the
+    chosen weights renormalised to sum to one."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    # Qwen3-MoE casts the routing weights to the model dtype before scaling the experts'
+    # outputs; Mixtral keeps them in float32.
+    is_routing_weight_in_model_dtype: bool
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """What differs between the layers of one model."""
+
+    # The query at position i sees key j iff j <= i and i - j < sliding_window.
+    sliding_window: int | None
+    # Index into ModelConfig.rope_tables.
+    rope_table: int
+    is_moe: bool
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder, read from a Hugging Face config."""
+    """The shape and parts of one decoder-only model."""
 
     model_type: str
     vocab_size: int
     hidden_size: int
+    # Of the dense MLP (layers that are not MoE).
     intermediate_size: int
     num_layers: int
     num_heads: int
@@ -24,62 +86,46 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    # RoPE as transformers computes it for this config (rope scaling included).
-    rope_inv_freq: torch.Tensor
-    rope_attention_scaling: float
-    # A model with an active sliding window is exact only up to the window; the engine caps
-    # its context there instead of running a different attention.
-    sliding_window: int | None
+    o_proj_bias: bool
     eos_token_ids: tuple[int, ...]
+    layers: tuple[LayerConfig, ...]
+    rope_tables: tuple[RopeTable, ...]
+    norm_kind: NormKind = NormKind.RMS
+    norm_placement: NormPlacement = NormPlacement.PRE
+    activation: Activation = Activation.SILU
+    # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    has_qk_norm: bool = False
+    # Attention scores are q.k * attention_scale (head_dim ** -0.5 unless query_pre_attn_scalar).
+    attention_scale: float | None = None
+    attn_logit_soft_cap: float | None = None
+    final_logit_soft_cap: float | None = None
+    # Gemma multiplies the embeddings by sqrt(hidden_size) (rounded to the model dtype).
+    embedding_scale: float | None = None
+    moe: MoeConfig | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.layers) == self.num_layers, "one LayerConfig per layer"
+        assert self.num_heads % self.num_kv_heads == 0, "query heads are a multiple of KV heads"
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest window of any layer, or None when some layer attends to everything."""
+        windows = [layer.sliding_window for layer in self.layers]
+        if any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(layer.sliding_window is not None for layer in self.layers)
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> ModelConfig:
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; qworker runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        inv_freq, attention_scaling = _rope_parameters(hf_config, head_dim)
-        qkv_bias = model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-        sliding_window = getattr(hf_config, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-            sliding_window = None
-        eos = getattr(hf_config, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        return cls(
-            model_type=model_type,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            rope_inv_freq=inv_freq,
-            rope_attention_scaling=float(attention_scaling),
-            sliding_window=sliding_window,
-            eos_token_ids=eos_ids,
-        )
+    def from_hf(cls, hf_config: object) -> ModelConfig:
+        """Read a Hugging Face config through its family's module (qworker.model.registry)."""
+        from qworker.model.registry import model_config_from_hf
 
-
-def _rope_parameters(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in rope_theta/rope_scaling.
-    params = dict(
-        getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    )
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        return inv_freq, 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope type {rope_type!r} is not supported by this transformers version")
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        return model_config_from_hf(hf_config)

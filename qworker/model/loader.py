@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from qworker.errors import UnknownModelError
+from qworker.errors import CheckpointError, UnknownModelError
 
 logger = logging.getLogger(__name__)
 
@@ -123,13 +123,40 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory: those `model.safetensors.index.json`
+    names when it is there (sharded checkpoints; other *.safetensors files beside them, such as
+    Mistral's consolidated.safetensors, are not read), else model.safetensors, else every
+    *.safetensors file."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index (no weight_map): {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard(s) that are not there: {', '.join(absent)}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnknownModelError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
+    for file in checkpoint_files(path):
+        for name, tensor in load_file(str(file)).items():
+            if name in state:
+                raise CheckpointError(f"tensor {name!r} is in more than one shard of {path}")
+            state[name] = tensor
     return state

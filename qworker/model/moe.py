@@ -1,0 +1,120 @@
+"""Sparse mixture of experts: a router picks top-k experts per token; the experts' weights are
+stacked, [E, 2 * I, H] for gate and up (gate first) and [E, H, I] for down, the layout of
+transformers 5 and of the Triton fused-MoE kernel.
+
+On the CPU the tokens are grouped by expert: one sort, then one matmul pair per expert that has
+tokens (never a loop over tokens). On CUDA, `qworker_kernels.triton_fused_moe.fused_moe` runs
+all experts in one kernel when it is importable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from qworker.model.config import Activation, MoeConfig
+from qworker.model.linear import Linear
+from qworker.model.mlp import gated_activation
+from qworker.model.ops import TORCH_OPS, ModelOps
+
+FusedMoe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_fused_moe() -> FusedMoe | None:
+    """The Triton fused-MoE kernel, or None where it is not there (yet)."""
+    try:
+        from qworker_kernels.triton_fused_moe import fused_moe
+    except ImportError:
+        return None
+    return fused_moe  # type: ignore[no-any-return]
+
+
+def route(
+    router_logits: torch.Tensor, config: MoeConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (weights [T, K], expert ids [T, K] int64): softmax over all
+    experts in float32, top-k, renormalised when `norm_topk_prob`, as transformers routes."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, config.top_k, dim=-1)
+    if config.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if config.is_routing_weight_in_model_dtype:
+        weights = weights.to(dtype)
+    return weights, expert_ids
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    activation: Activation,
+    ops: ModelOps,
+) -> torch.Tensor:
+    """x: [T, H], w_gate_up: [E, 2I, H], w_down: [E, H, I], weights/expert_ids: [T, K] -> [T, H].
+
+    The (token, expert) pairs are sorted by expert; each expert with tokens runs one matmul over
+    its rows. Outputs are summed in expert order, as transformers' loop does."""
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # [T * K] pair indices, grouped by expert
+    token_of_pair = order // top_k
+    sorted_weights = weights.reshape(-1)[order]
+    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    gathered = x[token_of_pair]  # [T * K, H]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        hidden = gated_activation(
+            torch.nn.functional.linear(gathered[rows], w_gate_up[expert]), activation, ops
+        )
+        expert_out = torch.nn.functional.linear(hidden, w_down[expert]) * sorted_weights[rows, None]
+        out.index_add_(0, token_of_pair[rows], expert_out.to(out.dtype))
+        start += count
+    return out
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden_size: int, config: MoeConfig) -> None:
+        super().__init__()
+        size, num = config.intermediate_size, config.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden_size, size))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+
+class SparseMoe(nn.Module):
+    def __init__(
+        self, hidden_size: int, config: MoeConfig, activation: Activation, ops: ModelOps = TORCH_OPS
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.activation = activation
+        self.ops = ops
+        # The router, unpacked: the same F.linear as transformers, so that near-ties route alike.
+        self.gate = Linear(hidden_size, config.num_experts, bias=False, pack=False)
+        self.experts = Experts(hidden_size, config)
+        self._fused_moe = load_fused_moe() if activation is Activation.SILU else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = route(self.gate(x), self.config, x.dtype)
+        if self._fused_moe is not None and x.is_cuda:
+            return self._fused_moe(
+                x, self.experts.gate_up_proj, self.experts.down_proj, weights.float(), expert_ids
+            )
+        return grouped_experts(
+            x,
+            self.experts.gate_up_proj,
+            self.experts.down_proj,
+            weights,
+            expert_ids,
+            self.activation,
+            self.ops,
+        )

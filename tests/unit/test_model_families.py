@@ -1,0 +1,421 @@
+"""Every model family, token-exact with transformers in float32.
+
+Each family is a tiny random model built from transformers' own config class, with odd shapes:
+head dims 48 and 80 (the C kernels run) and 40 (not a multiple of 16: the fallback path), GQA 1
+and 4, three or four layers, four experts with top-2 for the MoE families, and a sliding window
+of 8 or 12, shorter than most prompts, for the families that have one. Saved with
+save_pretrained (one of them sharded) and loaded through qworker's loader, each runs the same
+prompts in the parity tests' scheduler configurations: default, small prefill chunks, forced
+preemption, block sizes 1 and 32, and prefix caching with cached prefixes, and must give
+transformers' greedy `generate` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from qworker.config import EngineConfig
+from qworker.engine.llm_engine import LLMEngine
+from qworker.engine.sampling_params import SamplingParams
+from qworker.errors import CheckpointError, UnsupportedModelError
+from qworker.model.loader import SAFETENSORS_INDEX, load_hf_config, load_state_dict
+from qworker.model.registry import SUPPORTED_MODEL_TYPES
+from tests.conftest import run_to_completion
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_TOKENS = 8
+WINDOW = 8
+# Lengths from shorter than the window to five windows; two share a 20-token prefix (the prefix
+# cache then hits in the second round).
+PROMPT_LENS = (3, 13, 27, 40)
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+# model_type -> transformers config kwargs. Comments name what each one exercises.
+FAMILIES: dict[str, dict[str, Any]] = {
+    # q/k norms; head_dim 48, GQA 4; a window on layers 1 and 2 (max_window_layers=1).
+    "qwen3": dict(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=48, use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=1, tie_word_embeddings=True,
+    ),
+    # head_dim 40 (fallback path), GQA 1; MoE on layers 0 and 2, a dense MLP on layer 1.
+    "qwen3_moe": dict(
+        hidden_size=80, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=40, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+    ),
+    # Every layer MoE, a window of 12 on every layer; head_dim 48, GQA 1.
+    "mixtral": dict(
+        hidden_size=96, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=48, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=12,
+    ),
+    # Soft-capping, query_pre_attn_scalar, sandwich norms, GeGLU, windowed and global layers.
+    "gemma2": dict(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=48, query_pre_attn_scalar=32, sliding_window=WINDOW,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    # q/k norms, local and global RoPE bases; head_dim 80, GQA 1.
+    "gemma3_text": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=80, query_pre_attn_scalar=64, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        tie_word_embeddings=True,
+    ),
+    # Fused qkv and gate_up in the checkpoint; longrope past 32 positions; partial rotary 3/4.
+    "phi3": dict(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, partial_rotary_factor=0.75, original_max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10_000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(18)],
+            "long_factor": [1.0 + 4.0 * i for i in range(18)],
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    # A window on every layer (head_dim 16).
+    "mistral": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=WINDOW,
+    ),
+    # q/k/v biases; a window on layers 1 and 2; head_dim 48, GQA 4.
+    "qwen2": dict(
+        hidden_size=192, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+    ),
+    "llama": dict(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, attention_bias=True,
+    ),
+}  # fmt: skip
+SHARDED = "qwen3_moe"
+# Sharper attention where a feature only shows with large scores (Gemma 2's soft-cap).
+QK_SCALE = {"gemma2": 3.0}
+
+# The parity tests' scheduler configurations; prefix caching is on in all of them (the default),
+# and "prefix_cache_hits" runs the prompts twice so that the second round reads cached blocks.
+CONFIGURATIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "small_chunks": {"max_num_batched_tokens": 5},
+    "preemption": {"num_kv_blocks": 14},
+    "block_size_1": {"block_size": 1, "num_kv_blocks": 256},
+    "block_size_32": {"block_size": 32, "num_kv_blocks": 16},
+    "prefix_cache_hits": {"enable_prefix_caching": True},
+}
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    ids = [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
+    ids.append(ids[2][:20] + [rng.randrange(3, 256) for _ in range(9)])
+    return ids
+
+
+def hf_config_for(model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
+
+
+def build_hf_model(model_type: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config_for(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Random init gives near-uniform logits, where greedy picks are near-ties; widened,
+            # they are not. Gemma's norm weights are offsets from 1: give them some spread too.
+            if p.dim() > 1:
+                p.mul_(3.0)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_SCALE.get(model_type, 1.0))
+            elif "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+class Family:
+    """One family's saved checkpoint, as qworker loads it, and transformers' tokens."""
+
+    def __init__(self, model_type: str, root: Path) -> None:
+        self.model_type = model_type
+        self.path = root / model_type
+        model = build_hf_model(model_type)
+        save_args = {"max_shard_size": "100KB"} if model_type == SHARDED else {}
+        model.save_pretrained(self.path, **save_args)
+        self.expected = [hf_greedy(model, p) for p in prompts()]
+        self.hf_config = load_hf_config(self.path)
+        self.state_dict = load_state_dict(self.path)
+
+    def engine(self, **engine_args: Any) -> LLMEngine:
+        args: dict[str, Any] = dict(model=str(self.path), dtype="float32", device="cpu", num_kv_blocks=128)
+        args["block_size"] = 4
+        args.update(engine_args)
+        return LLMEngine(
+            EngineConfig(**args), hf_config=self.hf_config, state_dict=self.state_dict, tokenizer=None
+        )
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
+    root = tmp_path_factory.mktemp("families")
+    return {model_type: Family(model_type, root) for model_type in FAMILIES}
+
+
+def greedy(engine: LLMEngine, prompt_list: list[list[int]], tag: str) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(prompt_list)
+    ]
+    outs = run_to_completion(engine)
+    return [outs[i].outputs[0].token_ids for i in ids]
+
+
+def test_every_registered_family_is_tested() -> None:
+    assert set(FAMILIES) | {"gemma3"} == set(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_greedy_tokens_equal_transformers(
+    families: dict[str, Family], model_type: str, configuration: str
+) -> None:
+    family = families[model_type]
+    engine = family.engine(**CONFIGURATIONS[configuration])
+    got = greedy(engine, prompts(), "first")
+    assert got == family.expected
+    if configuration == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    if configuration == "prefix_cache_hits":
+        before = engine.kv_stats().num_prefix_cache_hits
+        assert greedy(engine, prompts(), "second") == family.expected
+        assert engine.kv_stats().num_prefix_cache_hits > before
+
+
+def test_the_sharded_checkpoint_is_read_through_its_index(families: dict[str, Family]) -> None:
+    path = families[SHARDED].path
+    weight_map = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1
+    # A stray file beside the shards (Mistral ships consolidated.safetensors) is not read.
+    shutil.copy(path / sorted(set(weight_map.values()))[0], path / "consolidated.safetensors")
+    try:
+        assert set(load_state_dict(path)) == set(weight_map)
+    finally:
+        (path / "consolidated.safetensors").unlink()
+
+
+def test_longrope_tables_match_transformers_on_both_sides_of_the_original_context(
+    families: dict[str, Family],
+) -> None:
+    """Greedy tokens of a tiny random model barely move with RoPE's factors, so the rotation
+    itself is compared: transformers' short factors up to 32 positions, long ones past them."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    from qworker.model.rotary import RotaryEmbedding
+
+    config = families["phi3"].hf_config
+    hf_rotary = AutoModelForCausalLM.from_config(config).model.rotary_emb
+    ours = RotaryEmbedding(_model_config("phi3", config).rope_tables[0], 48, 256)
+    torch.manual_seed(1)
+    for seq_len in (20, 32, 33, 40):
+        q, k = torch.randn(seq_len, 2, 48), torch.randn(seq_len, 2, 48)
+        positions = torch.arange(seq_len)
+        cos, sin = hf_rotary(q, positions[None])
+        want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        got_q, got_k = ours(positions, q, k, torch.full((seq_len,), seq_len))
+        torch.testing.assert_close(got_q, want_q[0].transpose(0, 1))
+        torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))
+    # The two tables differ: the check above would catch a model that used one for both.
+    assert not torch.allclose(ours.cos[:40], ours.cos[256:296])
+
+
+def _model_config(model_type: str, hf_config: Any) -> Any:
+    from qworker.model.config import ModelConfig
+
+    config = ModelConfig.from_hf(hf_config)
+    assert config.model_type == model_type
+    return config
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path: Path) -> None:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = hf_config_for("gemma3_text")
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(3.0)
+    model.save_pretrained(tmp_path)
+    expected = [hf_greedy(model, p) for p in prompts()]
+    hf_config = load_hf_config(tmp_path)
+    assert hf_config.model_type == "gemma3"
+    engine = LLMEngine(
+        EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=128, block_size=4),
+        hf_config=hf_config,
+        state_dict=load_state_dict(tmp_path),
+        tokenizer=None,
+    )
+    assert greedy(engine, prompts(), "mm") == expected
+
+
+# -- bad checkpoints ---------------------------------------------------------------------------
+
+
+def rewrite_checkpoint(source: Path, target: Path, edit: Any) -> Path:
+    """A copy of the single-file checkpoint at `source` with edit(tensors) applied."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+def load_engine(path: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=16),
+        hf_config=load_hf_config(path),
+        state_dict=load_state_dict(path),
+        tokenizer=None,
+    )
+
+
+def test_a_missing_tensor_is_a_checkpoint_error_naming_it(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    path = rewrite_checkpoint(
+        families["qwen3"].path, tmp_path / "m", lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")
+    )
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor.*layers\.1\.self_attn\.k_norm\.weight"):
+        load_engine(path)
+    path = rewrite_checkpoint(
+        families["mixtral"].path,
+        tmp_path / "e",
+        lambda t: t.pop("model.layers.2.block_sparse_moe.experts.3.w3.weight"),
+    )
+    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        load_engine(path)
+
+
+def test_a_wrong_shape_and_an_unexpected_tensor_are_checkpoint_errors(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    def narrow(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"][
+            :, :-1
+        ].contiguous()
+
+    with pytest.raises(
+        CheckpointError, match=r"wrong shape.*layers\.0\.mlp\.down_proj\.weight is \(96, 127\)"
+    ):
+        load_engine(rewrite_checkpoint(families["gemma2"].path, tmp_path / "s", narrow))
+
+    def extra(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.9.mlp.gate_proj.weight"] = torch.zeros(2, 2)
+
+    with pytest.raises(CheckpointError, match=r"no place for.*layers\.9\.mlp\.gate_proj\.weight"):
+        load_engine(rewrite_checkpoint(families["phi3"].path, tmp_path / "u", extra))
+
+
+def test_an_unknown_model_type_lists_the_supported_ones(families: dict[str, Family], tmp_path: Path) -> None:
+    shutil.copytree(families["llama"].path, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2' is not supported; qworker runs llama, .*phi3"):
+        load_engine(tmp_path / "m")
+
+
+def test_the_worker_exits_with_the_usage_code_on_a_bad_checkpoint(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    """As a user runs it: one line, exit code 2 (docs/WORKER.md), and it never says ready."""
+    import os
+
+    from qworker.cli import EXIT_USAGE
+    from qworker.model.loader import resolve_model
+
+    path = rewrite_checkpoint(
+        families["gemma3_text"].path,
+        tmp_path / "m",
+        lambda t: t.pop("model.layers.2.self_attn.q_norm.weight"),
+    )
+    tokenizer_dir = resolve_model("smollm2").path
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(tokenizer_dir / name, path / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "qworker", "worker", "--model", str(path), "--queue", "memory://bad-checkpoint",
+         "--device", "cpu", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("qworker: error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "layers.2.self_attn.q_norm.weight" in errors[0]
+    assert "ready" not in proc.stdout
+
+
+def test_the_chat_template_comes_from_the_tokenizer(families: dict[str, Family], tmp_path: Path) -> None:
+    from qworker import LLM
+    from qworker.model.loader import load_tokenizer, resolve_model
+
+    path = shutil.copytree(families["qwen3"].path, tmp_path / "m")
+    tokenizer_dir = resolve_model("smollm2").path
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, path / name)
+    messages = [{"role": "user", "content": "What is the capital of Japan?"}]
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64)
+    expected = load_tokenizer(path).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert llm.llm_engine.apply_chat_template(messages) == expected
+    assert len(expected) > 10
