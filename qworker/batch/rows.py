@@ -281,9 +281,16 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
 
 
 def parse_row(
-    custom_id: str, url: Any, body: Any, *, batch_id: str, served_model_names: Collection[str]
+    custom_id: str,
+    url: Any,
+    body: Any,
+    *,
+    batch_id: str,
+    served_model_names: Collection[str],
+    echo_token_prompts: bool = False,
 ) -> RowRequest:
-    """The row as a request, or RowError saying why it cannot run."""
+    """The row as a request, or RowError saying why it cannot run. `echo_token_prompts`: the
+    caller can echo a token-id prompt (it has a tokenizer to decode it: the gateway)."""
     if url not in SUPPORTED_URLS:
         raise RowError(
             f"url {url!r} is not supported; use {' or '.join(SUPPORTED_URLS)}",
@@ -322,7 +329,7 @@ def parse_row(
     else:
         prompt = parse_prompt(body.get("prompt"))
         echo = _optional_bool(body, "echo")
-        if echo and not isinstance(prompt, str):
+        if echo and not isinstance(prompt, str) and not echo_token_prompts:
             raise RowError("echo needs a text prompt", param="echo")
     mapped = sampling_kwargs(body, endpoint, echo)
     try:

@@ -1,0 +1,53 @@
+"""The body-size limit (413), enforced while the body arrives: a declared Content-Length over the
+limit is refused before a byte is read, and a chunked body is cut off once it passes the limit,
+so the gateway never holds more than `max_body_bytes` of one request."""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qworker.gateway.errors import GatewayError
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body is over the limit of {limit} bytes"
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared < 0:
+                    await GatewayError(400, "the Content-Length header is not a number").response()(
+                        scope, receive, send
+                    )
+                    return
+                if declared > self.max_body_bytes:
+                    error = GatewayError(413, _too_large(self.max_body_bytes), code="request_too_large")
+                    await error.response()(scope, receive, send)
+                    return
+        num_received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > self.max_body_bytes:
+                    # FastAPI passes an HTTPException raised while it reads the body on as it is.
+                    raise HTTPException(413, _too_large(self.max_body_bytes))
+            return message
+
+        await self.app(scope, limited_receive, send)

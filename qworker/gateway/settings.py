@@ -1,0 +1,100 @@
+"""Gateway settings. Every field is also a `qworker gateway` option (qworker/cli_options.py): the
+help text here is the option's help, the default here its default.
+
+Secrets are not settings: API keys come from `--api-key-file` or `$QWORKER_API_KEYS` (auth.py),
+queue and result URLs (which may carry passwords) from the environment or URL files, never argv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# OpenAI's own request limit is far higher for files; for one completion body, 16 MiB holds any
+# prompt that fits a context here, many times over.
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to serve on (0.0.0.0 in a container)"})
+    port: int = field(
+        default=8000, metadata={"help": "Port of the OpenAI routes, /healthz, /readyz, /metrics"}
+    )
+    model: str = field(
+        default="smollm2",
+        metadata={
+            "help": "The model the pool serves: the name /v1/models lists and requests must use, and "
+            "where the tokenizer is found when --tokenizer is not given (smollm2 or a local directory)"
+        },
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory with tokenizer.json (none: the model's directory, or the SmolLM2 cache "
+            "a worker converted)"
+        },
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "The workers' context in tokens (none: the model directory's config.json)"},
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "Longest wait for a result, queueing included (a worker may be starting from zero); "
+            "past it: 504, and the job is cancelled"
+        },
+    )
+    max_body_bytes: int = field(
+        default=DEFAULT_MAX_BODY_BYTES, metadata={"help": "Request bodies over this get 413"}
+    )
+    max_waiting_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "Backpressure: refuse new work (429) while the KV blocks the queue's waiting jobs "
+            "need exceed this (none: off)"
+        },
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV block: the workers' --block-size"})
+    demand_interval_s: float = field(
+        default=1.0, metadata={"help": "Seconds between readings of the queue's waiting demand"}
+    )
+    retry_after_s: int = field(default=2, metadata={"help": "Retry-After of a 429, in seconds"})
+    max_inflight_requests: int = field(
+        default=2048,
+        metadata={"help": "Generation requests this replica serves at once; beyond: 429 (bounds its memory)"},
+    )
+    limit_concurrency: int = field(
+        default=4096,
+        metadata={"help": "Open connections uvicorn serves at once; beyond: 503 (idle ones included)"},
+    )
+    timeout_keep_alive_s: int = field(
+        default=5, metadata={"help": "Seconds an idle keep-alive connection stays open"}
+    )
+    default_max_tokens: int = field(
+        default=4096,
+        metadata={"help": "max_tokens of a chat request that gives none (capped by the context)"},
+    )
+
+    def __post_init__(self) -> None:
+        positive = {
+            "port": self.port,
+            "request_timeout_s": self.request_timeout_s,
+            "max_body_bytes": self.max_body_bytes,
+            "block_size": self.block_size,
+            "demand_interval_s": self.demand_interval_s,
+            "max_inflight_requests": self.max_inflight_requests,
+            "limit_concurrency": self.limit_concurrency,
+            "default_max_tokens": self.default_max_tokens,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.retry_after_s < 0 or self.timeout_keep_alive_s < 0:
+            raise ValueError("retry_after_s and timeout_keep_alive_s must be >= 0")
+        if self.max_waiting_blocks is not None and self.max_waiting_blocks < 1:
+            raise ValueError(f"max_waiting_blocks must be >= 1, got {self.max_waiting_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.model:
+            raise ValueError("model must be a non-empty name")

@@ -1,0 +1,225 @@
+"""The official openai SDK, unchanged, against a gateway and one real worker (SmolLM2, fp32, one
+thread) on the real Redis. One worker and one gateway serve the whole module."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from qworker.batch.rows import request_id_for
+from qworker.gateway.app import create_app
+from qworker.gateway.settings import GatewaySettings
+from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from tests.gateway.conftest import API_KEY, metric_value, serve_app
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+def job_id_of(response_id: str, index: int = 0) -> str:
+    """The job behind choice `index`'s prompt: rows.request_id_for(request id, prompt index)."""
+    return request_id_for(response_id.split("-", 1)[1], str(index))
+
+
+@pytest.mark.timeout(180)
+def test_scale_from_zero_a_request_waits_for_the_first_worker(gateway, request):
+    """The gateway started with no worker; a request sent now completes once the pool's first
+    worker starts (the module's worker, started here, after the request)."""
+    sdk = openai.OpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0, timeout=170)
+    outcome: dict[str, object] = {}
+
+    def ask() -> None:
+        outcome["response"] = sdk.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    time.sleep(1.0)
+    assert asking.is_alive(), "the request waits while no worker runs"
+    request.getfixturevalue("worker")
+    asking.join(timeout=120)
+    response = outcome["response"]
+    assert response.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_chat_without_streaming(sdk, store, worker):
+    response = sdk.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+    assert response.object == "chat.completion"
+    [choice] = response.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    stored = store.result(job_id_of(response.id), timeout=5)
+    assert choice.message.content == stored.text
+    assert response.usage.completion_tokens == len(stored.token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+@pytest.mark.timeout(120)
+def test_chat_streaming_equals_the_stored_result(sdk, store):
+    chunks = list(
+        sdk.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Write a short sentence about the sea."}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish in (["stop"], ["length"])
+    # include_usage: a last chunk without choices carries the usage; every other has usage null.
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 2, "streamed in pieces"
+    stored = store.result(job_id_of(chunks[0].id), timeout=5)
+    assert text == stored.text and text
+
+
+@pytest.mark.timeout(120)
+def test_completions_with_a_token_id_prompt(sdk, gateway):
+    tokens = httpx.post(
+        f"{gateway.url}/tokenize",
+        json={"prompt": "Once upon a time"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()["tokens"]
+    by_ids = sdk.completions.create(model="smollm2", prompt=tokens, max_tokens=8, temperature=0)
+    by_text = sdk.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert by_ids.object == "text_completion"
+    assert by_ids.choices[0].text == by_text.choices[0].text and by_ids.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(tokens)
+
+
+@pytest.mark.timeout(120)
+def test_completions_echo_with_logprobs(sdk):
+    prompt = "The capital of France is"
+    response = sdk.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    [choice] = response.choices
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    lp = choice.logprobs
+    num_prompt = response.usage.prompt_tokens
+    assert (
+        len(lp.tokens)
+        == num_prompt + 1
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == len(lp.text_offset)
+    )
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text
+    # Greedy: the generated token is the most likely one at its place.
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()))
+
+
+@pytest.mark.timeout(120)
+def test_n_and_several_prompts_are_indexed_as_openai_does(sdk):
+    response = sdk.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=6, temperature=0.9, seed=7, n=3
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.message.content is not None for c in response.choices)
+    several = sdk.completions.create(
+        model="smollm2", prompt=["Hello", "The sky is"], max_tokens=4, temperature=0, n=2
+    )
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    # Greedy: both completions of one prompt agree; choices 0-1 are prompt 0's, 2-3 prompt 1's.
+    texts = [c.text for c in several.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3]
+    single = sdk.completions.create(model="smollm2", prompt="The sky is", max_tokens=4, temperature=0)
+    assert texts[2] == single.choices[0].text
+
+
+@pytest.mark.timeout(60)
+def test_models_list(sdk):
+    assert [m.id for m in sdk.models.list()] == ["smollm2"]
+    assert sdk.models.retrieve("smollm2").id == "smollm2"
+
+
+@pytest.mark.timeout(60)
+def test_errors_arrive_as_the_sdks_exception_types(sdk, gateway):
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model="smollm2", messages=CHAT, n=10**9)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        sdk.completions.create(model="smollm2", prompt=[1] * 9000, max_tokens=4)
+    assert too_long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="no-such-model", messages=CHAT)
+    wrong = openai.OpenAI(base_url=gateway.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(f"{gateway.url}/v1/models").status_code == 401
+    assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+    assert httpx.get(f"{gateway.url}/readyz").status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_disconnect_mid_stream_cancels_the_job_and_frees_its_blocks(sdk, store, worker):
+    def blocks() -> tuple[float, float]:
+        text = httpx.get(worker).text
+        return metric_value(text, "qworker_kv_cache_free_blocks"), metric_value(
+            text, "qworker_kv_cache_total_blocks"
+        )
+
+    stream = sdk.completions.create(
+        model="smollm2",
+        prompt="Count from one to a thousand: one, two, three,",
+        max_tokens=2000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].text)
+        if seen >= 3:
+            break
+    job_id = job_id_of(chunk.id)
+    free, total = blocks()
+    assert free < total, f"the job holds KV blocks while it runs: {free} of {total} free"
+    stream.close()
+    closed_at = time.monotonic()
+    while blocks()[0] < total:
+        assert time.monotonic() - closed_at < 1.0, (
+            f"KV blocks still held 1 s after the disconnect: {blocks()}"
+        )
+        time.sleep(0.02)
+    assert store.result(job_id, timeout=10).status.value == "cancelled"
+
+
+@pytest.mark.timeout(90)
+def test_no_worker_scale_from_zero_timeout_and_backpressure(tmp_path):
+    """A second pool with no worker: a request waits; one whose timeout passes gets 504 and its
+    job is cancelled; a worker started later serves a waiting request; a saturated queue gets 429."""
+    url = unique_url(redis_base_url(), "gateway-zero")
+    r = redis.Redis.from_url(redis_base_url())
+    settings = GatewaySettings(request_timeout_s=2.0, max_waiting_blocks=40, demand_interval_s=0.2)
+    app = create_app(settings, queue=url)
+    try:
+        with serve_app(app) as served:
+            sdk = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=60)
+            started = time.monotonic()
+            with pytest.raises(openai.InternalServerError) as timed_out:
+                sdk.completions.create(model="smollm2", prompt="Hello", max_tokens=4)
+            assert timed_out.value.status_code == 504 and time.monotonic() - started >= 2.0
+            cancelled = {k.decode() for k in r.scan_iter(match=f"{url.split('prefix=')[1]}*cancel*")}
+            assert cancelled, "the timed-out job was cancelled"
+            # That job still waits in the queue (no worker): 1 block. A request that would take the
+            # waiting demand past the bound of 40 blocks is refused with 429 and Retry-After.
+            time.sleep(0.5)
+            with pytest.raises(openai.RateLimitError) as limited:
+                sdk.completions.create(model="smollm2", prompt="Hello " * 200, max_tokens=500)
+            assert limited.value.response.headers["Retry-After"] == "2"
+    finally:
+        cleanup(r, url)
