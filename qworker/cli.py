@@ -26,7 +26,7 @@ from qworker.worker.retry import BrokerOutageError
 from qworker.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from qworker.worker.dlq import DeadLetterQueue
+    from qworker.worker.backends.dead_letters import DeadLetterQueue
 
 # Plain click help, not typer's rich panels: rich crops option names to fit its table
 # ("--max-num-batched-to…") on narrow terminals and, off a terminal, at 80 columns. Click's
@@ -421,7 +421,7 @@ DlqResultsOpt = Annotated[
 
 @contextmanager
 def dead_letters(queue: str | None) -> Iterator[DeadLetterQueue]:
-    from qworker.worker.dlq import open_dead_letters
+    from qworker.worker.connections import open_dead_letters
 
     with reported_errors(), connecting("queue", queue):
         dlq = open_dead_letters(queue)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import redis as redis_lib
 
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.client import Client
 from qworker.worker.redis_server import RedisServer
 from qworker.worker.testing import spawn_worker, write_tiny_model_dir

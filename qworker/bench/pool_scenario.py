@@ -23,7 +23,7 @@ import numpy as np
 
 from qworker.bench.autoscale import Autoscaler, ScalingPolicy
 from qworker.bench.worker_pool import Victim, WorkerPool
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
 from qworker.worker.demand import PoolSizing
 from qworker.worker.exporter import run_metrics_exporter

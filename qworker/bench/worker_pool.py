@@ -31,7 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
 from qworker.worker.health import READINESS_PATH
 

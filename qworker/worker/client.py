@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from qworker.errors import StreamRestartedError
+from qworker.worker.backends.source import OutgoingJob
 from qworker.worker.connections import (
     default_results_url,
     open_producer,
@@ -27,7 +28,6 @@ from qworker.worker.connections import (
     s3_location_of_results,
 )
 from qworker.worker.jobs import Job, JobResult, encode_job
-from qworker.worker.sources.base import OutgoingJob
 
 
 class Client:

@@ -10,33 +10,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from qworker.worker import constants
-from qworker.worker.backlog import (
-    Backlog,
-    CeleryBacklog,
-    RedisStreamBacklog,
-    SqsBacklog,
-    read_worker_reports,
-    running_work,
-)
-from qworker.worker.connections import (
-    CELERY_PARAMS,
-    SINK_PARAMS,
-    SOURCE_PARAMS,
-    InvalidURLError,
-    aws_client,
-    parse_url,
-    redact_url,
-    redis_client,
-)
+from qworker.worker.backends import BACKENDS
+from qworker.worker.backends.backlog import Backlog, running_work
+from qworker.worker.backends.redis import keys
+from qworker.worker.backends.redis.connection import parse_redis_url, redis_client
+from qworker.worker.backends.redis.reports import read_worker_reports
+from qworker.worker.connections import open_backlog
 from qworker.worker.demand import PoolDemand, PoolSizing, pool_demand
 from qworker.worker.health import HealthServer, HealthState
+from qworker.worker.urls import InvalidURLError, redact_url, url_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +80,7 @@ class PoolDemandReader:
         sizing: PoolSizing,
         *,
         stats_redis: Any = None,
-        stats_prefix: str = constants.DEFAULT_RESULT_PREFIX,
+        stats_prefix: str = keys.DEFAULT_RESULT_PREFIX,
     ) -> None:
         self.backlog = backlog
         self.sizing = sizing
@@ -135,59 +121,15 @@ class PoolDemandReader:
             self.stats_redis.close()
 
 
-def _redis_stream_backlog(url: str, sizing: PoolSizing, lease_timeout_s: float | None) -> Backlog:
-    parsed = parse_url(url, SOURCE_PARAMS | SINK_PARAMS)
-    return RedisStreamBacklog(
-        redis_client(parsed.connection_url),
-        sizing,
-        stream=parsed.params.get("stream", constants.DEFAULT_STREAM),
-        group=parsed.params.get("group", constants.DEFAULT_GROUP),
-        lease_timeout_s=lease_timeout_s or float(parsed.params.get("lease_timeout_s", 30.0)),
-    )
-
-
-def _celery_backlog(url: str, sizing: PoolSizing, lease_timeout_s: float | None) -> Backlog:
-    parsed = parse_url(url, CELERY_PARAMS)
-    return CeleryBacklog(
-        redis_client(parsed.connection_url.removeprefix("celery+")),
-        sizing,
-        queue=parsed.params.get("queue", "qworker"),
-    )
-
-
-def _sqs_backlog(url: str, sizing: PoolSizing, lease_timeout_s: float | None) -> Backlog:
-    parts = urlsplit(url)
-    if not parts.netloc:
-        raise InvalidURLError(f"URL {redact_url(url)!r} names no queue")
-    return SqsBacklog(aws_client("sqs", dict(parse_qsl(parts.query))), sizing, queue=parts.netloc)
-
-
-# Queue URL scheme -> its backlog reader (the same URLs `qworker worker --queue` takes).
-BACKLOG_READERS: dict[str, Callable[[str, PoolSizing, float | None], Backlog]] = {
-    "redis": _redis_stream_backlog,
-    "rediss": _redis_stream_backlog,
-    "unix": _redis_stream_backlog,
-    "celery+redis": _celery_backlog,
-    "celery+rediss": _celery_backlog,
-    "sqs": _sqs_backlog,
-}
-# Schemes whose URL can also be a Redis result store, where workers write their stats.
-_REDIS_STORE_SCHEMES = ("redis", "rediss", "unix")
-
-
-def open_backlog(queue_url: str, sizing: PoolSizing, lease_timeout_s: float | None = None) -> Backlog:
-    scheme = urlsplit(queue_url).scheme
-    reader = BACKLOG_READERS.get(scheme)
-    if reader is None:
-        known = ", ".join(f"{s}://" for s in BACKLOG_READERS)
-        raise InvalidURLError(f"no backlog reader for {redact_url(queue_url)!r}; known: {known}")
-    return reader(queue_url, sizing, lease_timeout_s)
+def _is_redis_store(url: str) -> bool:
+    """Whether `url` names a Redis result store (where workers write their stats reports)."""
+    return BACKENDS.get(url_scheme(url)) == BACKENDS["redis"]
 
 
 def default_stats_url(queue_url: str) -> str | None:
     """Where workers write their stats when the results go to their default store: the queue's own
     Redis. Other queues have no default report store."""
-    return queue_url if urlsplit(queue_url).scheme in _REDIS_STORE_SCHEMES else None
+    return queue_url if _is_redis_store(queue_url) else None
 
 
 def open_pool_demand_reader(
@@ -201,13 +143,13 @@ def open_pool_demand_reader(
     live; by default the queue's Redis for a Redis Streams queue, else none."""
     stats_url = stats_url or default_stats_url(queue_url)
     stats_redis = None
-    stats_prefix = constants.DEFAULT_RESULT_PREFIX
+    stats_prefix = keys.DEFAULT_RESULT_PREFIX
     if stats_url is not None:
-        parsed = parse_url(stats_url, SOURCE_PARAMS | SINK_PARAMS)
-        if parsed.scheme not in _REDIS_STORE_SCHEMES:
+        if not _is_redis_store(stats_url):
             raise InvalidURLError(f"worker stats live in a Redis result store, not {redact_url(stats_url)!r}")
+        parsed = parse_redis_url(stats_url)
         stats_redis = redis_client(parsed.connection_url)
-        stats_prefix = parsed.params.get("prefix", constants.DEFAULT_RESULT_PREFIX)
+        stats_prefix = parsed.params.get("prefix", keys.DEFAULT_RESULT_PREFIX)
     return PoolDemandReader(
         open_backlog(queue_url, sizing, lease_timeout_s),
         sizing,

@@ -9,11 +9,11 @@ per housekeeping pass, the rest once per job or per step.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-import qworker
 from qworker.worker.jobs import JobResult, JobStatus
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class WorkerMetrics:
             self.jobs.labels(status=status.value)
 
     def set_info(self, *, model: str, dtype: str, device: str) -> None:
-        self.info.info({"model": model, "dtype": dtype, "device": device, "version": qworker.__version__})
+        self.info.info({"model": model, "dtype": dtype, "device": device, "version": installed_version()})
 
     def set_engine_gauges(
         self,
@@ -232,3 +232,12 @@ class WorkerMetrics:
 
     def observe_e2e(self, seconds: float) -> None:
         self.e2e.observe(max(0.0, seconds))
+
+
+def installed_version() -> str:
+    """qworker's version as installed (pyproject.toml's), read from the package metadata rather
+    than the top-level package, which the worker does not import."""
+    try:
+        return version("qworker")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from qworker.engine.outputs import RequestOutput
+from qworker.worker.backends.source import Lease
 from qworker.worker.jobs import (
     Job,
     JobError,
@@ -15,7 +16,6 @@ from qworker.worker.jobs import (
     completion_result,
     token_logprobs,
 )
-from qworker.worker.sources.base import Lease
 
 
 def build_result(

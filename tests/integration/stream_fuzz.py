@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobResult, JobStatus, resolve_job_id
 

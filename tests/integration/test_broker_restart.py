@@ -18,7 +18,7 @@ import uuid
 import pytest
 import redis as redis_lib
 
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.client import Client
 from qworker.worker.jobs import JobStatus
 from qworker.worker.redis_server import RedisServer, free_port

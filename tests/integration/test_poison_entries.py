@@ -13,7 +13,7 @@ import json
 import pytest
 import redis as redis_lib
 
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobResult, JobStatus
 from qworker.worker.testing import cleanup, redis_base_url, unique_url

@@ -14,6 +14,7 @@ import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
 from qworker.worker.admission import AdmissionPolicy, HeldJobSize
+from qworker.worker.backends.source import OutgoingJob
 from qworker.worker.connections import (
     SINK_PARAMS,
     SOURCE_PARAMS,
@@ -30,7 +31,6 @@ from qworker.worker.exporter import (
     run_metrics_exporter,
 )
 from qworker.worker.loop import WorkerStats
-from qworker.worker.sources.base import OutgoingJob
 from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,13 +12,13 @@ import time
 import pytest
 import redis as redis_lib
 
-from qworker.worker import constants
-from qworker.worker.backlog import RedisStreamBacklog
+from qworker.worker.backends.redis import keys as constants
+from qworker.worker.backends.redis.backlog import RedisStreamBacklog
+from qworker.worker.backends.redis.dead_letters import open_dead_letters as open_redis
+from qworker.worker.backends.redis.keys import HIGH_LANE_PREFIX
+from qworker.worker.backends.source import OutgoingJob
 from qworker.worker.connections import InvalidURLError, open_producer, open_source, parse_url
 from qworker.worker.demand import PoolSizing
-from qworker.worker.dlq import open_redis
-from qworker.worker.sources.base import OutgoingJob
-from qworker.worker.sources.redis_streams import HIGH_LANE_PREFIX
 from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis as redis_lib
 
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.client import Client
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobStatus

@@ -12,7 +12,7 @@ import redis as redis_lib
 
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.client import Client
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
 from qworker.worker.jobs import JobResult, JobStatus

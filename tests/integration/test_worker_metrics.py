@@ -24,7 +24,7 @@ import pytest
 import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
-from qworker.worker import constants
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.client import Client
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobStatus

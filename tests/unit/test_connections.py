@@ -1,5 +1,6 @@
-"""The backend table in qworker.worker.connections: each scheme opens its class, errors list what
-the table holds, and URL query parameters nobody takes are an InvalidURLError.
+"""Opening URLs through the backend table (qworker.worker.backends.BACKENDS, used by
+qworker.worker.connections): each scheme opens its class, errors list what the table holds, and
+URL query parameters nobody takes are an InvalidURLError.
 
 Sinks open without connecting (redis-py and boto3 connect at the first command); the Redis
 sources create their consumer group, so they use the Redis server of the tests (a unique stream
@@ -8,16 +9,23 @@ each, deleted afterwards), and the SQS source asks moto's server for its queue.
 
 from __future__ import annotations
 
-import importlib
 import socket
 import uuid
 
 import pytest
 
 from qworker.worker import connections
+from qworker.worker.backends import BACKENDS
+from qworker.worker.backends.celery.producer import CeleryProducer
+from qworker.worker.backends.celery.results import CeleryResultSink
+from qworker.worker.backends.celery.source import CelerySource
+from qworker.worker.backends.memory.queue import MemoryProducer, MemorySource
+from qworker.worker.backends.memory.results import MemoryResultSink
+from qworker.worker.backends.redis.producer import RedisStreamProducer
+from qworker.worker.backends.redis.results import RedisResultSink
+from qworker.worker.backends.redis.streams import RedisStreamSource
+from qworker.worker.backends.s3.results import S3ResultSink
 from qworker.worker.connections import (
-    QUEUE_BACKENDS,
-    RESULT_BACKENDS,
     InvalidURLError,
     default_results_url,
     open_producer,
@@ -26,27 +34,9 @@ from qworker.worker.connections import (
     queue_schemes,
     result_schemes,
 )
-from qworker.worker.sinks.celery import CeleryResultSink
-from qworker.worker.sinks.memory import MemoryResultSink
-from qworker.worker.sinks.redis import RedisResultSink
-from qworker.worker.sinks.s3 import S3ResultSink
-from qworker.worker.sources.celery import CeleryProducer, CelerySource
-from qworker.worker.sources.memory import MemoryProducer, MemorySource
-from qworker.worker.sources.redis_streams import RedisStreamProducer, RedisStreamSource
 from qworker.worker.testing import redis_base_url
 
 AWS = "region=us-east-1&endpoint_url=http://127.0.0.1:9"
-
-
-def test_every_backend_module_has_its_openers():
-    for scheme, module_path in QUEUE_BACKENDS.items():
-        module = importlib.import_module(module_path)
-        assert callable(getattr(module, "open_source", None)), scheme
-        assert callable(getattr(module, "open_producer", None)), scheme
-    for scheme, module_path in RESULT_BACKENDS.items():
-        assert callable(getattr(importlib.import_module(module_path), "open_sink", None)), scheme
-    assert queue_schemes() == tuple(QUEUE_BACKENDS)
-    assert result_schemes() == tuple(RESULT_BACKENDS)
 
 
 @pytest.mark.timeout(30)
@@ -69,7 +59,9 @@ def test_every_result_scheme_opens_its_sink(url, sink_class):
 
 def test_the_result_cases_cover_the_table():
     covered = {"redis", "rediss", "unix", "s3", "celery+redis", "celery+rediss", "memory"}
-    assert set(RESULT_BACKENDS) == covered
+    assert set(result_schemes()) == covered
+    queue_cases = {"redis", "rediss", "unix", "sqs", "celery+redis", "celery+rediss", "memory"}
+    assert set(queue_schemes()) == queue_cases
 
 
 @pytest.fixture
@@ -104,8 +96,8 @@ def test_queue_schemes_open_their_sources_and_producers(redis_url):
     assert type(open_producer("memory://conn-test")) is MemoryProducer
     # rediss, unix and celery+rediss differ from their plain forms only in redis-py's connection
     # class, which sink tests above cover without a TLS server or a socket.
-    assert QUEUE_BACKENDS["rediss"] == QUEUE_BACKENDS["unix"] == QUEUE_BACKENDS["redis"]
-    assert QUEUE_BACKENDS["celery+rediss"] == QUEUE_BACKENDS["celery+redis"]
+    assert BACKENDS["rediss"] == BACKENDS["unix"] == BACKENDS["redis"]
+    assert BACKENDS["celery+rediss"] == BACKENDS["celery+redis"]
 
 
 @pytest.mark.timeout(60)
@@ -113,7 +105,8 @@ def test_sqs_scheme_opens_an_sqs_source():
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from qworker.worker.sources.sqs import SqsProducer, SqsSource
+    from qworker.worker.backends.sqs.producer import SqsProducer
+    from qworker.worker.backends.sqs.source import SqsSource
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,7 +142,7 @@ def test_unknown_scheme_lists_the_table(monkeypatch):
     with pytest.raises(InvalidURLError, match="has no scheme"):
         open_sink("/just/a/path")
     # One line adds a backend; the messages follow the table.
-    monkeypatch.setitem(QUEUE_BACKENDS, "inproc", "qworker.worker.sources.memory")
+    monkeypatch.setitem(BACKENDS, "inproc", "qworker.worker.backends.memory")
     assert type(open_source("inproc://q", consumer="c")) is MemorySource
     with pytest.raises(InvalidURLError, match="inproc://"):
         open_source("amqp://host", consumer="c")
@@ -159,7 +152,14 @@ def test_default_results_url_follows_the_table():
     assert default_results_url("redis://h:1/0?stream=s") == "redis://h:1/0?stream=s"
     with pytest.raises(InvalidURLError) as info:
         default_results_url("sqs://jobs")
+    assert "needs a results URL" in str(info.value)
     for scheme in result_schemes():
+        assert f"{scheme}://" in str(info.value)
+    # A scheme no backend serves is named as unknown, as opening the queue names it (issue 29).
+    with pytest.raises(InvalidURLError) as info:
+        default_results_url("foo://bar")
+    assert "unsupported queue URL scheme 'foo'" in str(info.value)
+    for scheme in queue_schemes():
         assert f"{scheme}://" in str(info.value)
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from qworker.worker.backlog import celery_envelope_blocks, parse_worker_report
+from qworker.worker.backends.backlog import parse_worker_report
+from qworker.worker.backends.celery.backlog import celery_envelope_blocks
 from qworker.worker.demand import (
     MESSAGE_OVERHEAD_TOKENS,
     PoolSizing,

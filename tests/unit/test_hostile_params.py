@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from qworker.engine.llm import LLM
 from qworker.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from qworker.errors import InvalidParamsError, InvalidRequestError
+from qworker.worker.backends.memory.queue import MemoryQueue, MemorySource
+from qworker.worker.backends.memory.results import MemoryResultSink
 from qworker.worker.jobs import JobError, JobResult, JobStatus
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.sinks.memory import MemoryResultSink
-from qworker.worker.sources.memory import MemoryQueue, MemorySource
 from qworker.worker.testing import write_tiny_model_dir
 
 VOCAB_SIZE = 49152  # the tiny model's (write_tiny_model_dir), the SmolLM2 tokenizer's

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qworker.worker import constants, health
+from qworker.worker import health
+from qworker.worker.backends.redis import keys as constants
 from qworker.worker.exporter import PoolMetrics
 from qworker.worker.settings import WorkerSettings
 

@@ -49,8 +49,8 @@ def test_worker_loop_and_its_test_parts_import_no_torch():
         "qworker.worker.engine_protocol",
         "qworker.worker.loop",
         "qworker.worker.fake_engine",
-        "qworker.worker.sources.memory",
-        "qworker.worker.sinks.memory",
+        "qworker.worker.backends.memory.queue",
+        "qworker.worker.backends.memory.results",
         "qworker.worker.connections",
     ]
     loaded = imported_after(modules, ENGINE_LIBRARIES)

@@ -400,10 +400,10 @@ class ObservedEngine:
 
 
 def run_worker_on_shared_prefix_jobs(tiny_llama, enable_prefix_caching: bool) -> dict[str, Any]:
+    from qworker.worker.backends.memory.queue import MemoryQueue, MemorySource
+    from qworker.worker.backends.memory.results import MemoryResultSink
     from qworker.worker.loop import Worker
     from qworker.worker.settings import WorkerSettings
-    from qworker.worker.sinks.memory import MemoryResultSink
-    from qworker.worker.sources.memory import MemoryQueue, MemorySource
 
     # 56 blocks of 4: a 43-token prompt takes 11 blocks and grows to 13 with its 6 tokens, so
     # four such jobs fill the pool unless they share their 40-token (10-block) prefix.

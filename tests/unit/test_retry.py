@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import redis
 
+from qworker.worker.backends.memory.queue import Journal, MemoryQueue, MemorySource
+from qworker.worker.backends.memory.results import MemoryResultSink
 from qworker.worker.fake_engine import FakeEngine
 from qworker.worker.health import HealthState
 from qworker.worker.jobs import JobStatus
 from qworker.worker.loop import Worker
 from qworker.worker.retry import BrokerOutage, BrokerOutageError, is_transient
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.sinks.memory import MemoryResultSink
-from qworker.worker.sources.memory import Journal, MemoryQueue, MemorySource
 
 pytestmark = pytest.mark.timeout(30)
 

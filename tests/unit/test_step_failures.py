@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from qworker.errors import EngineFailedError, StreamRestartedError
+from qworker.worker.backends.memory.queue import Journal, MemoryQueue, MemorySource
+from qworker.worker.backends.memory.results import MemoryResultSink
+from qworker.worker.backends.sink import Delta
 from qworker.worker.client import Client
 from qworker.worker.fake_engine import FakeEngine
 from qworker.worker.jobs import JobResult, JobStatus
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.sinks.base import Delta
-from qworker.worker.sinks.memory import MemoryResultSink
-from qworker.worker.sources.memory import Journal, MemoryQueue, MemorySource
 
 pytestmark = pytest.mark.timeout(30)
 

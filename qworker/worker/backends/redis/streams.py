@@ -22,19 +22,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from qworker.worker import constants
-from qworker.worker.connections import (
-    SINK_PARAMS,
-    SOURCE_PARAMS,
-    parse_redis_url,
-    redis_client,
-    url_integer,
-    url_number,
-)
+from qworker.worker.backends.redis import keys
+from qworker.worker.backends.redis.connection import parse_redis_url, redis_client
+from qworker.worker.backends.source import JobSource, Lease
 from qworker.worker.jobs import job_id_problem
 from qworker.worker.retry import bound_socket_timeouts
-from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
 from qworker.worker.text import as_text
+from qworker.worker.urls import url_number
 
 # Extend or release only the entries this consumer still owns: after a stall past the lease,
 # a peer may have claimed one, and a blind XCLAIM would steal it back.
@@ -72,10 +66,6 @@ end
 return out
 """
 
-# A priority-lane entry's message id is its entry id behind this, so that ids stay unique across
-# the two streams (both take their ids from the server's clock).
-HIGH_LANE_PREFIX = "high:"
-
 # Dead-letter entries are kept for inspection, up to about this many.
 DEAD_LETTER_MAXLEN = 100_000
 # A released entry looks idle for this long: well past any lease, so the next reclaim takes it.
@@ -87,8 +77,8 @@ class RedisStreamSource(JobSource):
         self,
         redis: Any,
         *,
-        stream: str = constants.DEFAULT_STREAM,
-        group: str = constants.DEFAULT_GROUP,
+        stream: str = keys.DEFAULT_STREAM,
+        group: str = keys.DEFAULT_GROUP,
         consumer: str,
         dead_letter_stream: str | None = None,
         lease_timeout_s: float = 30.0,
@@ -98,10 +88,10 @@ class RedisStreamSource(JobSource):
         self.stream = stream
         self.group = group
         self.consumer = consumer
-        self.dead_letter_stream = dead_letter_stream or constants.dead_letter_stream(stream)
+        self.dead_letter_stream = dead_letter_stream or keys.dead_letter_stream(stream)
         self.lease_timeout_s = lease_timeout_s
         self.reclaim_interval_s = reclaim_interval_s
-        self.high_stream = constants.high_lane_stream(stream)
+        self.high_stream = keys.high_lane_stream(stream)
         # Reading order: the priority lane first.
         self.lanes = (self.high_stream, stream)
         self.queue_name = f"redis-stream:{stream}"
@@ -117,12 +107,12 @@ class RedisStreamSource(JobSource):
 
     def _message_id(self, lane: str, entry_id: Any) -> str:
         entry = as_text(entry_id)  # the server made it: ASCII "<ms>-<seq>"
-        return HIGH_LANE_PREFIX + entry if lane == self.high_stream else entry
+        return keys.HIGH_LANE_PREFIX + entry if lane == self.high_stream else entry
 
     def _lane_of(self, message_id: str) -> tuple[str, str]:
         """(stream, entry id) of a lease's message id."""
-        if message_id.startswith(HIGH_LANE_PREFIX):
-            return self.high_stream, message_id[len(HIGH_LANE_PREFIX) :]
+        if message_id.startswith(keys.HIGH_LANE_PREFIX):
+            return self.high_stream, message_id[len(keys.HIGH_LANE_PREFIX) :]
         return self.stream, message_id
 
     def _by_lane(self, leases: list[Lease]) -> dict[str, dict[str, Lease]]:
@@ -229,15 +219,15 @@ class RedisStreamSource(JobSource):
         field cannot name a result is leased with a `rejection` (the worker dead-letters it);
         any other oddity (no body, a body that is not a job) is the worker's to judge."""
         message_id = self._message_id(lane, entry_id)
-        body = _field(fields, constants.FIELD_BODY)
-        raw_job_id = _field(fields, constants.FIELD_JOB_ID)
+        body = _field(fields, keys.FIELD_BODY)
+        raw_job_id = _field(fields, keys.FIELD_JOB_ID)
         job_id: str | None = None
         rejection: str | None = None
         if raw_job_id:
             try:
                 job_id = raw_job_id.decode() if isinstance(raw_job_id, bytes) else str(raw_job_id)
             except UnicodeDecodeError:
-                rejection = f"the entry's {constants.FIELD_JOB_ID!r} field is not UTF-8 text"
+                rejection = f"the entry's {keys.FIELD_JOB_ID!r} field is not UTF-8 text"
             if job_id is not None:
                 rejection = job_id_problem(job_id)
                 if rejection is not None:
@@ -300,10 +290,10 @@ class RedisStreamSource(JobSource):
             # The reason may quote the input, which may not be valid Unicode.
             "reason": reason.encode("utf-8", "backslashreplace"),
             "delivery_count": lease.delivery_count,
-            constants.FIELD_BODY: lease.body,
+            keys.FIELD_BODY: lease.body,
         }
         if lease.job_id is not None:
-            entry[constants.FIELD_JOB_ID] = lease.job_id
+            entry[keys.FIELD_JOB_ID] = lease.job_id
         pipe.xadd(self.dead_letter_stream, entry, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         pipe.xack(lane, self.group, entry_id)
         pipe.xdel(lane, entry_id)
@@ -344,77 +334,20 @@ def ensure_group(redis: Any, stream: str, group: str) -> None:
             raise
 
 
-class RedisStreamProducer(JobProducer):
-    def __init__(
-        self,
-        redis: Any,
-        *,
-        stream: str = constants.DEFAULT_STREAM,
-        group: str = constants.DEFAULT_GROUP,
-        high_lane_max_priority: int | None = None,
-    ):
-        self.redis = redis
-        self.stream = stream
-        self.group = group
-        self.high_stream = constants.high_lane_stream(stream)
-        # Jobs of this priority or lower go to the priority lane; None: every job to the stream.
-        self.high_lane_max_priority = high_lane_max_priority
-        # The groups exist before the first job, so that no job predates them unseen.
-        for lane in (self.high_stream, stream):
-            ensure_group(redis, lane, group)
-
-    def _lane(self, job: OutgoingJob) -> str:
-        limit = self.high_lane_max_priority
-        return self.high_stream if limit is not None and job.priority <= limit else self.stream
-
-    def send(self, jobs: list[OutgoingJob]) -> list[str]:
-        lanes = [self._lane(job) for job in jobs]
-        pipe = self.redis.pipeline(transaction=False)
-        for job, lane in zip(jobs, lanes, strict=True):
-            pipe.xadd(lane, {constants.FIELD_JOB_ID: job.job_id, constants.FIELD_BODY: job.body})
-        return [
-            HIGH_LANE_PREFIX + as_text(x) if lane == self.high_stream else as_text(x)
-            for x, lane in zip(pipe.execute(), lanes, strict=True)
-        ]
-
-    def queue_depth(self) -> int | None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(self.high_stream)
-        pipe.xlen(self.stream)
-        return sum(int(n) for n in pipe.execute())
-
-    def close(self) -> None:
-        self.redis.close()
-
-
 def _field(fields: dict[Any, Any], name: str) -> Any:
     """A field of an entry by name: redis-py gives bytes names (str with decode_responses)."""
     value = fields.get(name.encode())
     return value if value is not None else fields.get(name)
 
 
-# A Redis URL may serve as queue and results at once: the sink's parameters are accepted too.
-URL_PARAMS = SOURCE_PARAMS | SINK_PARAMS
-
-
 def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> RedisStreamSource:
-    parsed = parse_redis_url(url, URL_PARAMS)
-    stream = parsed.params.get("stream", constants.DEFAULT_STREAM)
+    parsed = parse_redis_url(url)
+    stream = parsed.params.get("stream", keys.DEFAULT_STREAM)
     return RedisStreamSource(
         bound_socket_timeouts(redis_client(parsed.connection_url)),
         stream=stream,
-        group=parsed.params.get("group", constants.DEFAULT_GROUP),
+        group=parsed.params.get("group", keys.DEFAULT_GROUP),
         consumer=consumer,
-        dead_letter_stream=parsed.params.get("dead_letter", constants.dead_letter_stream(stream)),
+        dead_letter_stream=parsed.params.get("dead_letter", keys.dead_letter_stream(stream)),
         lease_timeout_s=lease_timeout_s or url_number(parsed.params, "lease_timeout_s", 30.0),
-    )
-
-
-def open_producer(url: str, payload_location: str | None) -> RedisStreamProducer:
-    parsed = parse_redis_url(url, URL_PARAMS)
-    return RedisStreamProducer(
-        redis_client(parsed.connection_url),
-        stream=parsed.params.get("stream", constants.DEFAULT_STREAM),
-        group=parsed.params.get("group", constants.DEFAULT_GROUP),
-        high_lane_max_priority=url_integer(parsed.params, "high_lane_max_priority"),
     )

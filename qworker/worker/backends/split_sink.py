@@ -1,4 +1,5 @@
-"""Stream to X, final to Y: deltas and cancel flags in one store, final results in another.
+"""Stream to X, final to Y: deltas and job notes (cancel flags, last errors, stats) in one store,
+final results in another.
 
 The usual pairing is S3 (or a Celery result backend) for results, which do not stream, and Redis
 for the live token stream and cancel flags:
@@ -15,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from qworker.worker.backends.sink import Delta, ResultSink
 from qworker.worker.jobs import JobResult
-from qworker.worker.sinks.base import Delta, ResultSink
 
 
 class SplitSink(ResultSink):
@@ -43,6 +44,10 @@ class SplitSink(ResultSink):
 
     def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
         return self.stream.read_deltas(job_id, timeout_s)
+
+    def delete_result(self, job_id: str) -> None:
+        self.final.delete_result(job_id)
+        self.stream.delete_result(job_id)
 
     def request_cancel(self, job_id: str) -> None:
         self.stream.request_cancel(job_id)

@@ -1,4 +1,4 @@
-"""Result sink on Redis.
+"""Result store on Redis.
 
 - Deltas: XADD to `{prefix}:deltas:{id}` with an approximate MAXLEN and a TTL, one pipeline per
   engine step. A final entry with a `done` field tells live readers the result is stored. An
@@ -8,7 +8,8 @@
   dead-letters the job.
 - Result: `SET {prefix}:result:{id} <json> NX EX ttl`. NX makes the first writer win, so a job
   that two workers ran (a lease lost during a stall) still has exactly one result.
-- Cancel flags: `{prefix}:cancel:{id}`, with a TTL.
+- Job notes: cancel flags `{prefix}:cancel:{id}` (with a TTL) and worker stats
+  `{prefix}:worker:{name}` (expiring 30 s after the worker stops reporting). Key names: keys.py.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from qworker.worker import constants
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_redis_url, redis_client, url_number
+from qworker.worker.backends.redis import keys
+from qworker.worker.backends.redis.connection import URL_PARAMS, parse_redis_url, redis_client
+from qworker.worker.backends.sink import Delta, ResultSink, latest_attempt
 from qworker.worker.jobs import JobResult
 from qworker.worker.retry import bound_socket_timeouts
-from qworker.worker.sinks.base import Delta, ResultSink, latest_attempt
+from qworker.worker.urls import url_number
 
 # A live reader wakes at least this often to check for a result written without a done marker
 # reaching it (its delta stream expired or was trimmed).
@@ -36,10 +38,10 @@ class RedisResultSink(ResultSink):
         self,
         redis: Any,
         *,
-        prefix: str = constants.DEFAULT_RESULT_PREFIX,
-        result_ttl_s: int = constants.DEFAULT_RESULT_TTL_S,
-        delta_ttl_s: int = constants.DEFAULT_DELTA_TTL_S,
-        delta_maxlen: int = constants.DEFAULT_DELTA_MAXLEN,
+        prefix: str = keys.DEFAULT_RESULT_PREFIX,
+        result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
+        delta_ttl_s: int = keys.DEFAULT_DELTA_TTL_S,
+        delta_maxlen: int = keys.DEFAULT_DELTA_MAXLEN,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -54,14 +56,14 @@ class RedisResultSink(ResultSink):
             return
         pipe = self.redis.pipeline(transaction=False)
         for delta in deltas:
-            key = constants.delta_stream_key(self.prefix, delta.job_id)
+            key = keys.delta_stream_key(self.prefix, delta.job_id)
             fields: dict[str, Any]
             if delta.attempt is not None:
-                fields = {constants.DELTA_FIELD_ATTEMPT: delta.attempt}
+                fields = {keys.DELTA_FIELD_ATTEMPT: delta.attempt}
             else:
                 fields = {
-                    constants.DELTA_FIELD_TEXT: delta.text,
-                    constants.DELTA_FIELD_TOKEN_IDS: json.dumps(delta.token_ids),
+                    keys.DELTA_FIELD_TEXT: delta.text,
+                    keys.DELTA_FIELD_TOKEN_IDS: json.dumps(delta.token_ids),
                 }
             pipe.xadd(key, fields, maxlen=self.delta_maxlen, approximate=True)
             if delta.job_id not in self._has_expiry:
@@ -72,35 +74,35 @@ class RedisResultSink(ResultSink):
 
     def write_result(self, result: JobResult) -> bool:
         self._has_expiry.discard(result.id)
-        key = constants.result_key(self.prefix, result.id)
-        deltas_key = constants.delta_stream_key(self.prefix, result.id)
+        key = keys.result_key(self.prefix, result.id)
+        deltas_key = keys.delta_stream_key(self.prefix, result.id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(key, result.model_dump_json(), nx=True, ex=self.result_ttl_s)
-        pipe.xadd(deltas_key, {constants.DELTA_FIELD_DONE: result.status.value}, maxlen=self.delta_maxlen)
+        pipe.xadd(deltas_key, {keys.DELTA_FIELD_DONE: result.status.value}, maxlen=self.delta_maxlen)
         pipe.expire(deltas_key, self.delta_ttl_s)
         is_stored, _, _ = pipe.execute()
         return bool(is_stored)
 
     def end_deltas(self, job_id: str, status: str) -> None:
         self._has_expiry.discard(job_id)
-        key = constants.delta_stream_key(self.prefix, job_id)
+        key = keys.delta_stream_key(self.prefix, job_id)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(key, {constants.DELTA_FIELD_DONE: status}, maxlen=self.delta_maxlen)
+        pipe.xadd(key, {keys.DELTA_FIELD_DONE: status}, maxlen=self.delta_maxlen)
         pipe.expire(key, self.delta_ttl_s)
         pipe.execute()
 
     def has_result(self, job_id: str) -> bool:
-        return bool(self.redis.exists(constants.result_key(self.prefix, job_id)))
+        return bool(self.redis.exists(keys.result_key(self.prefix, job_id)))
 
     def get_result(self, job_id: str) -> JobResult | None:
-        raw = self.redis.get(constants.result_key(self.prefix, job_id))
+        raw = self.redis.get(keys.result_key(self.prefix, job_id))
         return JobResult.model_validate_json(raw) if raw is not None else None
 
     def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
         """The job's deltas and attempt markers. What is already in the stream is read at once,
         from its latest attempt marker on: text that a later attempt superseded is never yielded
         (the stream holds at most about `delta_maxlen` entries)."""
-        key = constants.delta_stream_key(self.prefix, job_id)
+        key = keys.delta_stream_key(self.prefix, job_id)
         last_id: Any = "0-0"
         last_progress = time.monotonic()
         backlog = self.redis.xrange(key, "-", "+")
@@ -132,12 +134,12 @@ class RedisResultSink(ResultSink):
                     raise TimeoutError(f"no output from job {job_id} for {timeout_s:.1f}s")
 
     def request_cancel(self, job_id: str) -> None:
-        self.redis.set(constants.cancel_key(self.prefix, job_id), b"1", ex=constants.DEFAULT_CANCEL_TTL_S)
+        self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=keys.DEFAULT_CANCEL_TTL_S)
 
     def cancelled_ids(self, job_ids: list[str]) -> set[str]:
         if not job_ids:
             return set()
-        flags = self.redis.mget([constants.cancel_key(self.prefix, job_id) for job_id in job_ids])
+        flags = self.redis.mget([keys.cancel_key(self.prefix, job_id) for job_id in job_ids])
         return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag is not None}
 
     def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:
@@ -146,20 +148,29 @@ class RedisResultSink(ResultSink):
         pipe = self.redis.pipeline(transaction=False)
         for job_id, error in job_id_to_error.items():
             text = error.encode("utf-8", "backslashreplace")
-            pipe.set(
-                constants.last_error_key(self.prefix, job_id), text, ex=constants.DEFAULT_LAST_ERROR_TTL_S
-            )
+            pipe.set(keys.last_error_key(self.prefix, job_id), text, ex=keys.DEFAULT_LAST_ERROR_TTL_S)
         pipe.execute()
 
     def last_error(self, job_id: str) -> str | None:
-        raw = self.redis.get(constants.last_error_key(self.prefix, job_id))
+        raw = self.redis.get(keys.last_error_key(self.prefix, job_id))
         return raw.decode("utf-8", "replace") if raw is not None else None
 
     def write_worker_stats(self, worker_name: str, stats: Any) -> None:
-        key = f"{self.prefix}:worker:{worker_name}"
+        key = keys.worker_stats_key(self.prefix, worker_name)
         payload = json.dumps(dataclasses.asdict(stats))
         # Expires soon after the worker stops reporting: the set of keys is the set of live workers.
         self.redis.set(key, payload, ex=WORKER_STATS_TTL_S)
+
+    def delete_result(self, job_id: str) -> None:
+        self.redis.delete(*self._keys_of(job_id))
+
+    def _keys_of(self, job_id: str) -> list[str]:
+        """Every key a job has in this store (what delete_result removes)."""
+        return [
+            keys.delta_stream_key(self.prefix, job_id),
+            keys.last_error_key(self.prefix, job_id),
+            keys.result_key(self.prefix, job_id),
+        ]
 
     def close(self) -> None:
         self.redis.close()
@@ -167,25 +178,25 @@ class RedisResultSink(ResultSink):
 
 def _parse_delta(job_id: str, fields: dict[bytes, bytes]) -> Delta | None:
     """One delta-stream entry as a Delta (or an attempt marker); None for the done marker."""
-    if constants.DELTA_FIELD_DONE.encode() in fields:
+    if keys.DELTA_FIELD_DONE.encode() in fields:
         return None
-    attempt = fields.get(constants.DELTA_FIELD_ATTEMPT.encode())
+    attempt = fields.get(keys.DELTA_FIELD_ATTEMPT.encode())
     if attempt is not None:
         return Delta(job_id, "", [], attempt=int(attempt))
     return Delta(
         job_id,
-        fields[constants.DELTA_FIELD_TEXT.encode()].decode(),
-        json.loads(fields[constants.DELTA_FIELD_TOKEN_IDS.encode()]),
+        fields[keys.DELTA_FIELD_TEXT.encode()].decode(),
+        json.loads(fields[keys.DELTA_FIELD_TOKEN_IDS.encode()]),
     )
 
 
 def open_sink(url: str) -> RedisResultSink:
     # A Redis URL may serve as queue and results at once: the source's parameters are accepted.
-    parsed = parse_redis_url(url, SOURCE_PARAMS | SINK_PARAMS)
+    parsed = parse_redis_url(url, URL_PARAMS)
     return RedisResultSink(
         bound_socket_timeouts(redis_client(parsed.connection_url)),
-        prefix=parsed.params.get("prefix", constants.DEFAULT_RESULT_PREFIX),
-        result_ttl_s=int(url_number(parsed.params, "result_ttl_s", constants.DEFAULT_RESULT_TTL_S)),
-        delta_ttl_s=int(url_number(parsed.params, "delta_ttl_s", constants.DEFAULT_DELTA_TTL_S)),
-        delta_maxlen=int(url_number(parsed.params, "delta_maxlen", constants.DEFAULT_DELTA_MAXLEN)),
+        prefix=parsed.params.get("prefix", keys.DEFAULT_RESULT_PREFIX),
+        result_ttl_s=int(url_number(parsed.params, "result_ttl_s", keys.DEFAULT_RESULT_TTL_S)),
+        delta_ttl_s=int(url_number(parsed.params, "delta_ttl_s", keys.DEFAULT_DELTA_TTL_S)),
+        delta_maxlen=int(url_number(parsed.params, "delta_maxlen", keys.DEFAULT_DELTA_MAXLEN)),
     )

@@ -19,18 +19,13 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from qworker.worker import constants
-from qworker.worker.connections import (
-    CELERY_PARAMS,
-    celery_broker_url,
-    parse_redis_url,
-    redis_client,
-    url_number,
-)
+from qworker.worker.backends.celery import keys
+from qworker.worker.backends.celery.url import parse_celery_redis_url
+from qworker.worker.backends.redis import keys as redis_keys
+from qworker.worker.backends.redis.connection import redis_client
+from qworker.worker.backends.redis.results import RedisResultSink
 from qworker.worker.jobs import JobResult, JobStatus
-from qworker.worker.sinks.redis import RedisResultSink
-
-TASK_META_PREFIX = "celery-task-meta-"
+from qworker.worker.urls import url_number
 
 
 def task_meta(result: JobResult) -> dict[str, Any]:
@@ -69,12 +64,15 @@ def task_meta(result: JobResult) -> dict[str, Any]:
 
 
 class CeleryResultSink(RedisResultSink):
-    def __init__(self, redis: Any, *, result_ttl_s: int = constants.DEFAULT_RESULT_TTL_S, **kwargs: Any):
+    def __init__(self, redis: Any, *, result_ttl_s: int = redis_keys.DEFAULT_RESULT_TTL_S, **kwargs: Any):
         super().__init__(redis, result_ttl_s=result_ttl_s, **kwargs)
 
     @staticmethod
     def meta_key(job_id: str) -> str:
-        return f"{TASK_META_PREFIX}{job_id}"
+        return keys.task_meta_key(job_id)
+
+    def _keys_of(self, job_id: str) -> list[str]:
+        return [*super()._keys_of(job_id), self.meta_key(job_id)]
 
     def write_result(self, result: JobResult) -> bool:
         key = self.meta_key(result.id)
@@ -102,9 +100,9 @@ class CeleryResultSink(RedisResultSink):
 
 
 def open_sink(url: str) -> CeleryResultSink:
-    parsed = parse_redis_url(url, CELERY_PARAMS)
+    redis_url, params = parse_celery_redis_url(url)
     return CeleryResultSink(
-        redis_client(celery_broker_url(parsed.connection_url)),
-        result_ttl_s=int(url_number(parsed.params, "result_ttl_s", constants.DEFAULT_RESULT_TTL_S)),
-        prefix=parsed.params.get("prefix", constants.DEFAULT_RESULT_PREFIX),
+        redis_client(redis_url),
+        result_ttl_s=int(url_number(params, "result_ttl_s", redis_keys.DEFAULT_RESULT_TTL_S)),
+        prefix=params.get("prefix", redis_keys.DEFAULT_RESULT_PREFIX),
     )

@@ -3,7 +3,7 @@
 A service that uses Celery enqueues `app.send_task("qworker.generate", kwargs=job, queue="qworker")`.
 qworker takes those Celery protocol v2 messages from the broker itself (not through Celery's worker
 pool), so continuous batching and admission by free KV blocks still apply, and writes the result
-in Celery's Redis result-backend format (sinks/celery.py), so `AsyncResult(task_id).get()` works.
+in Celery's Redis result-backend format (results.py), so `AsyncResult(task_id).get()` works.
 
 - lease: kombu's Redis transport: RPOP from the queue list, and the message goes into the unacked
   hash with a timestamp (late ack: nothing is removed for good until `ack`). Every second, and
@@ -46,22 +46,16 @@ import json
 import logging
 import time
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
-from qworker.worker.connections import (
-    CELERY_PARAMS,
-    KOMBU_PARAMS,
-    celery_broker_url,
-    parse_url,
-    reject_unknown_params,
-    url_number,
-)
-from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
+from qworker.worker.backends.celery import keys
+from qworker.worker.backends.celery.keys import TASK_NAME, transport_options
+from qworker.worker.backends.celery.url import parse_celery_url
+from qworker.worker.backends.source import JobSource, Lease
 from qworker.worker.text import as_text
+from qworker.worker.urls import url_number
 
 logger = logging.getLogger(__name__)
 
-TASK_NAME = "qworker.generate"
 ACCEPTED_CONTENT_TYPE = "application/json"
 DEAD_LETTER_MAXLEN = 100_000
 DELIVERY_COUNT_TTL_S = 7 * 24 * 3600
@@ -87,21 +81,12 @@ return lost
 """
 
 
-def transport_options(queue: str, lease_timeout_s: float) -> dict[str, Any]:
-    return {
-        "visibility_timeout": lease_timeout_s,
-        "unacked_key": f"{queue}.unacked",
-        "unacked_index_key": f"{queue}.unacked_index",
-        "unacked_mutex_key": f"{queue}.unacked_mutex",
-    }
-
-
 class CelerySource(JobSource):
     def __init__(
         self,
         broker_url: str,
         *,
-        queue: str = "qworker",
+        queue: str = keys.DEFAULT_QUEUE,
         consumer: str,
         lease_timeout_s: float = 30.0,
         dead_letter: str | None = None,
@@ -112,8 +97,8 @@ class CelerySource(JobSource):
         self.consumer = consumer
         self.lease_timeout_s = lease_timeout_s
         self.queue_name = f"celery:{queue}"
-        self.dead_letter_list = dead_letter or f"{queue}.dead"
-        self.deliveries_key = f"{queue}.deliveries"
+        self.dead_letter_list = dead_letter or keys.dead_letter_list(queue)
+        self.deliveries_key = keys.deliveries_key(queue)
         self.connection = Connection(broker_url, transport_options=transport_options(queue, lease_timeout_s))
         self.channel = self.connection.channel()
         # Celery declares a missing queue as a direct exchange of the same name; so do we, so that
@@ -218,7 +203,7 @@ class CelerySource(JobSource):
             delivery_count = int(pipe.execute()[0])
         body = b""
         if rejection is None:
-            body, rejection = self._job_body(message.body)
+            body, rejection = self.job_body(message.body)
         eta = _header_time(headers.get("eta"))
         if eta is not None and rejection is None:
             self._etas[tag] = eta
@@ -236,7 +221,7 @@ class CelerySource(JobSource):
         )
 
     @staticmethod
-    def _job_body(raw_body: Any) -> tuple[bytes, str | None]:
+    def job_body(raw_body: Any) -> tuple[bytes, str | None]:
         """The job JSON from a protocol v2 body `[args, kwargs, embed]` (already known to be JSON).
 
         The job is the kwargs (send_task(..., kwargs=job)) or a lone dict argument (args=[job]).
@@ -261,9 +246,8 @@ class CelerySource(JobSource):
     def extend(self, leases: list[Lease]) -> list[Lease]:
         if not leases:
             return []
-        options = transport_options(self.queue, self.lease_timeout_s)
         lost = self._extend_script(
-            keys=[options["unacked_key"], options["unacked_index_key"]],
+            keys=[keys.unacked_key(self.queue), keys.unacked_index_key(self.queue)],
             args=[time.time(), *[le.handle for le in leases]],
         )
         lost_tags = {as_text(x) for x in lost}
@@ -380,72 +364,12 @@ def _revoked_task_ids(data: Any) -> list[str]:
     return [t for t in task_ids or [] if isinstance(t, str)]
 
 
-class CeleryProducer(JobProducer):
-    """Sends jobs as Celery protocol v2 messages (JSON), as `app.send_task` would."""
-
-    def __init__(self, broker_url: str, *, queue: str = "qworker") -> None:
-        from kombu import Connection, Exchange, Queue
-
-        self.queue = queue
-        self.connection = Connection(broker_url)
-        self.kqueue = Queue(queue, Exchange(queue, type="direct"), routing_key=queue)
-        self.producer = self.connection.Producer()
-
-    def send(self, jobs: list[OutgoingJob]) -> list[str]:
-        for job in jobs:
-            kwargs = json.loads(job.body)
-            headers = {
-                "lang": "py",
-                "task": TASK_NAME,
-                "id": job.job_id,
-                "root_id": job.job_id,
-                "parent_id": None,
-                "group": None,
-                "retries": 0,
-                "eta": None,
-                "expires": None,
-                "argsrepr": "()",
-                "kwargsrepr": "{...}",
-                "origin": "qworker",
-            }
-            self.producer.publish(
-                [[], kwargs, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}],
-                serializer="json",
-                headers=headers,
-                exchange=self.kqueue.exchange,
-                routing_key=self.queue,
-                declare=[self.kqueue],
-                correlation_id=job.job_id,
-            )
-        return [job.job_id for job in jobs]
-
-    def queue_depth(self) -> int | None:
-        with self.connection.channel() as channel:
-            return int(channel._size(self.queue))
-
-    def close(self) -> None:
-        self.connection.release()
-
-
-def _parse(url: str) -> tuple[str, dict[str, str]]:
-    """(broker URL for kombu, qworker's parameters) of a celery+redis:// URL."""
-    parsed = parse_url(url, CELERY_PARAMS)
-    names = [k for k, _ in parse_qsl(urlsplit(parsed.connection_url).query, keep_blank_values=True)]
-    reject_unknown_params(url, names, CELERY_PARAMS, ("kombu", KOMBU_PARAMS))
-    return celery_broker_url(parsed.connection_url), parsed.params
-
-
 def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> CelerySource:
-    broker_url, params = _parse(url)
+    broker_url, params = parse_celery_url(url)
     return CelerySource(
         broker_url,
-        queue=params.get("queue", "qworker"),
+        queue=params.get("queue", keys.DEFAULT_QUEUE),
         consumer=consumer,
         lease_timeout_s=lease_timeout_s or url_number(params, "lease_timeout_s", 30.0),
         dead_letter=params.get("dead_letter"),
     )
-
-
-def open_producer(url: str, payload_location: str | None) -> CeleryProducer:
-    broker_url, params = _parse(url)
-    return CeleryProducer(broker_url, queue=params.get("queue", "qworker"))

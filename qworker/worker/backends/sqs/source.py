@@ -25,51 +25,27 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-from qworker.worker.connections import aws_client, aws_parts, url_number
-from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
+from qworker.worker.backends.aws import aws_client, aws_parts
+from qworker.worker.backends.source import JobSource, Lease
+from qworker.worker.backends.sqs.layout import (
+    ATTR_JOB_ID,
+    MAX_BATCH,
+    MAX_WAIT_S,
+    POINTER_FIELD,
+    S3Location,
+    dead_letter_queue_name,
+    queue_url,
+    redrive_policy,
+)
+from qworker.worker.urls import url_number
 
 logger = logging.getLogger(__name__)
-
-ATTR_JOB_ID = "qworker_id"
-POINTER_FIELD = "s3_payload"
-# SQS bounds.
-MAX_BATCH = 10
-MAX_WAIT_S = 20
-# Bytes kept below MaximumMessageSize for message attributes and batch overhead.
-ENVELOPE_MARGIN = 4096
 # After a receive without wait came back empty, skip receives without wait for this long: a
 # worker that holds jobs asks for more between engine steps, and an HTTP call per step would
 # slow every running job.
 EMPTY_RECEIVE_BACKOFF_S = 0.25
-
-
-@dataclass
-class S3Location:
-    bucket: str
-    key: str
-
-    @classmethod
-    def parse(cls, url: str) -> S3Location:
-        parts = urlsplit(url)
-        if parts.scheme != "s3" or not parts.netloc:
-            raise ValueError(f"not an s3://bucket/key URL: {url!r}")
-        return cls(parts.netloc, parts.path.lstrip("/"))
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}"
-
-
-def _queue_url(sqs: Any, name: str) -> str:
-    from botocore.exceptions import ClientError
-
-    try:
-        return sqs.get_queue_url(QueueName=name)["QueueUrl"]
-    except ClientError as exc:
-        raise ValueError(f"SQS queue {name!r} not found ({exc}); create it first") from None
 
 
 def _pointer(body: bytes) -> S3Location | None:
@@ -101,23 +77,16 @@ class SqsSource(JobSource):
         self.sqs = sqs
         self.s3 = s3
         self.queue = queue
-        self.queue_url = _queue_url(sqs, queue)
+        self.queue_url = queue_url(sqs, queue)
         self.queue_name = f"sqs:{queue}"
         self.is_fifo = queue.endswith(".fifo")
         attrs = sqs.get_queue_attributes(QueueUrl=self.queue_url, AttributeNames=["All"])["Attributes"]
         self.lease_timeout_s = float(lease_timeout_s or attrs.get("VisibilityTimeout", 30))
-        self.max_deliveries = None
-        redrive_target = None
-        if attrs.get("RedrivePolicy"):
-            policy = json.loads(attrs["RedrivePolicy"])
-            self.max_deliveries = int(policy["maxReceiveCount"])
-            redrive_target = str(policy["deadLetterTargetArn"]).rsplit(":", 1)[-1]
-        if dead_letter_queue is None:
-            dead_letter_queue = redrive_target
-        if dead_letter_queue is None:
-            base = queue.removesuffix(".fifo")
-            dead_letter_queue = f"{base}-dlq.fifo" if self.is_fifo else f"{base}-dlq"
-        self.dead_letter_queue = dead_letter_queue
+        redrive = redrive_policy(attrs)
+        self.max_deliveries = redrive.max_receive_count if redrive is not None else None
+        if dead_letter_queue is None and redrive is not None:
+            dead_letter_queue = redrive.target
+        self.dead_letter_queue = dead_letter_queue or dead_letter_queue_name(queue)
         self._dead_letter_url: str | None = None
         # message id -> S3 payload object, deleted with the message.
         self._payloads: dict[str, S3Location] = {}
@@ -256,83 +225,6 @@ class SqsSource(JobSource):
             self.s3.close()
 
 
-class SqsProducer(JobProducer):
-    """Sends jobs to an SQS queue; a job too large for a message goes to S3 behind a pointer."""
-
-    def __init__(self, sqs: Any, *, queue: str, s3: Any = None, payload_location: str | None = None) -> None:
-        self.sqs = sqs
-        self.s3 = s3
-        self.queue = queue
-        self.queue_url = _queue_url(sqs, queue)
-        self.is_fifo = queue.endswith(".fifo")
-        attrs = sqs.get_queue_attributes(QueueUrl=self.queue_url, AttributeNames=["MaximumMessageSize"])
-        self.max_message_bytes = int(attrs["Attributes"].get("MaximumMessageSize", 262144))
-        self.payload_location = S3Location.parse(payload_location) if payload_location else None
-
-    def _body(self, job: OutgoingJob) -> str:
-        if len(job.body) + len(job.job_id) + ENVELOPE_MARGIN <= self.max_message_bytes:
-            return job.body.decode()
-        if self.s3 is None or self.payload_location is None:
-            raise ValueError(
-                f"job {job.job_id} is {len(job.body)} bytes, over the queue's {self.max_message_bytes}-byte "
-                "message limit, and no S3 payload location is set (payload_s3=s3://bucket/prefix "
-                "in the queue URL, or an s3:// results URL)"
-            )
-        prefix = self.payload_location.key.strip("/")
-        key = f"{prefix}/{job.job_id}.json" if prefix else f"{job.job_id}.json"
-        self.s3.put_object(
-            Bucket=self.payload_location.bucket, Key=key, Body=job.body, ContentType="application/json"
-        )
-        return json.dumps({POINTER_FIELD: f"s3://{self.payload_location.bucket}/{key}"})
-
-    def send(self, jobs: list[OutgoingJob]) -> list[str]:
-        entries = []
-        for i, job in enumerate(jobs):
-            entry: dict[str, Any] = {
-                "Id": str(i),
-                "MessageBody": self._body(job),
-                "MessageAttributes": {ATTR_JOB_ID: {"DataType": "String", "StringValue": job.job_id}},
-            }
-            if self.is_fifo:
-                entry["MessageGroupId"] = job.group_id or job.job_id
-                entry["MessageDeduplicationId"] = job.job_id[:128]
-            entries.append(entry)
-        message_ids: list[str] = [""] * len(entries)
-        batch: list[dict[str, Any]] = []
-        batch_bytes = 0
-        for entry in entries:
-            size = len(entry["MessageBody"]) + ENVELOPE_MARGIN
-            if batch and (len(batch) == MAX_BATCH or batch_bytes + size > self.max_message_bytes):
-                self._send_batch(batch, message_ids)
-                batch, batch_bytes = [], 0
-            batch.append(entry)
-            batch_bytes += size
-        if batch:
-            self._send_batch(batch, message_ids)
-        return message_ids
-
-    def _send_batch(self, batch: list[dict[str, Any]], message_ids: list[str]) -> None:
-        reply = self.sqs.send_message_batch(QueueUrl=self.queue_url, Entries=batch)
-        if reply.get("Failed"):
-            raise RuntimeError(f"SQS refused {len(reply['Failed'])} jobs: {reply['Failed'][:3]}")
-        for ok in reply.get("Successful") or []:
-            message_ids[int(ok["Id"])] = ok["MessageId"]
-
-    def queue_depth(self) -> int | None:
-        attrs = self.sqs.get_queue_attributes(
-            QueueUrl=self.queue_url,
-            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
-        )["Attributes"]
-        return int(attrs.get("ApproximateNumberOfMessages", 0)) + int(
-            attrs.get("ApproximateNumberOfMessagesNotVisible", 0)
-        )
-
-    def close(self) -> None:
-        self.sqs.close()
-        if self.s3 is not None:
-            self.s3.close()
-
-
 def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> SqsSource:
     queue, _, params = aws_parts(url)
     return SqsSource(
@@ -342,14 +234,4 @@ def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> SqsSo
         dead_letter_queue=params.get("dead_letter"),
         # None: the queue's own VisibilityTimeout.
         lease_timeout_s=lease_timeout_s or (url_number(params, "lease_timeout_s", 0) or None),
-    )
-
-
-def open_producer(url: str, payload_location: str | None) -> SqsProducer:
-    queue, _, params = aws_parts(url)
-    return SqsProducer(
-        aws_client("sqs", params),
-        queue=queue,
-        s3=aws_client("s3", params),
-        payload_location=params.get("payload_s3") or payload_location,
     )

@@ -1,6 +1,8 @@
-"""Key names and defaults shared by the worker, the client and the Redis source/sink.
+"""The Redis key layout: the job stream and its entries, the result store's keys, and defaults.
 
-Kept in one place so that a producer in another language can follow the same layout.
+Shared by the worker, the client and this backend's source, producer, result store, backlog
+reader and dead-letter tools; kept in one place so that a producer in another language can follow
+the same layout (docs/queues.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ DELTA_FIELD_ATTEMPT = "attempt"
 DEFAULT_LAST_ERROR_TTL_S = 24 * 3600
 
 
+# A priority-lane entry's message id (Lease.message_id) is its entry id behind this, so that ids
+# stay unique across the two streams (both take their ids from the server's clock).
+HIGH_LANE_PREFIX = "high:"
+
+
 def dead_letter_stream(stream: str) -> str:
     return f"{stream}:dead"
 
@@ -58,3 +65,12 @@ def cancel_key(prefix: str, job_id: str) -> str:
 
 def last_error_key(prefix: str, job_id: str) -> str:
     return f"{prefix}:lasterror:{job_id}"
+
+
+def worker_stats_key(prefix: str, worker_name: str) -> str:
+    """A worker's stats report; the keys under `{prefix}:worker:` are the live workers."""
+    return f"{worker_stats_prefix(prefix)}{worker_name}"
+
+
+def worker_stats_prefix(prefix: str) -> str:
+    return f"{prefix}:worker:"

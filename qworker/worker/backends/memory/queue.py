@@ -20,13 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlsplit
 
-from qworker.worker.connections import InvalidURLError, redact_url, reject_unknown_params, url_number
-from qworker.worker.sources.base import JobProducer, JobSource, Lease, OutgoingJob
+from qworker.worker.backends.source import JobProducer, JobSource, Lease, OutgoingJob
+from qworker.worker.urls import named_location, url_number
 
 # Events in order, as (what, job id or message id): "ack", "release", "dead_letter". A test
-# shares one list with a MemoryResultSink to check that a result is stored before its ack.
+# shares one list with a MemoryResultSink (results.py) to check that a result is stored before its ack.
 Journal = list[tuple[str, str]]
 
 URL_PARAMS = {"lease_timeout_s"}
@@ -234,18 +233,8 @@ def named_queue(name: str) -> MemoryQueue:
         return queue
 
 
-def _parse(url: str) -> tuple[str, dict[str, str]]:
-    parts = urlsplit(url)
-    params = dict(parse_qsl(parts.query, keep_blank_values=True))
-    reject_unknown_params(url, params, URL_PARAMS)
-    name = parts.netloc + parts.path
-    if not name:
-        raise InvalidURLError(f"URL {redact_url(url)!r} names no queue; use memory://NAME")
-    return name, params
-
-
 def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> MemorySource:
-    name, params = _parse(url)
+    name, params = named_location(url, URL_PARAMS, "queue; use memory://NAME")
     return MemorySource(
         named_queue(name),
         consumer=consumer,
@@ -254,5 +243,5 @@ def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> Memor
 
 
 def open_producer(url: str, payload_location: str | None) -> MemoryProducer:
-    name, _ = _parse(url)
+    name, _ = named_location(url, URL_PARAMS, "queue; use memory://NAME")
     return MemoryProducer(named_queue(name))

@@ -7,8 +7,9 @@
   later object replaces the earlier one (still one object per id; its content is the later run's).
 - Deltas: S3 does not stream. `write_deltas` drops them and `read_deltas` waits for the result.
   To stream tokens, combine this store with a Redis one (`--stream-results redis://...`, see
-  sinks/split.py).
-- Cancel flags: empty objects under `prefix/_cancel/`; one LIST per check finds them all.
+  ../split_sink.py).
+- Job notes: cancel flags are empty objects under `prefix/_cancel/` (one LIST per check finds
+  them all); last errors and worker stats are not kept.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from qworker.worker.connections import aws_client, aws_parts, url_flag
+from qworker.worker.backends.aws import aws_client, aws_parts
+from qworker.worker.backends.sink import Delta, ResultSink, wait_for_result
 from qworker.worker.jobs import JobResult
-from qworker.worker.sinks.base import Delta, ResultSink, wait_for_result
+from qworker.worker.urls import url_flag
 
 CANCEL_DIR = "_cancel"
 
@@ -99,6 +101,10 @@ class S3ResultSink(ResultSink):
 
     def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
         return wait_for_result(self, job_id, timeout_s)
+
+    def delete_result(self, job_id: str) -> None:
+        # Nothing else of a job lives here: S3 keeps no deltas and no last errors.
+        self.s3.delete_object(Bucket=self.bucket, Key=self.key(job_id))
 
     def request_cancel(self, job_id: str) -> None:
         self.s3.put_object(Bucket=self.bucket, Key=self._cancel_dir() + job_id, Body=b"1")

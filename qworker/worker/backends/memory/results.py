@@ -1,6 +1,6 @@
 """Result store in this process's memory: results, live deltas, cancel flags, worker stats.
 
-The pair of sources/memory.py, for unit tests of the worker loop and for trying qworker without
+The pair of queue.py, for unit tests of the worker loop and for trying qworker without
 a server. `memory://NAME` opens the store NAME, shared by the whole process (a worker and a
 client in one process meet there). As in every store, the first result written for a job id is
 the one kept.
@@ -12,17 +12,16 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
-from qworker.worker.connections import InvalidURLError, redact_url, reject_unknown_params
+from qworker.worker.backends.memory.queue import URL_PARAMS, Journal
+from qworker.worker.backends.sink import Delta, ResultSink, latest_attempt
 from qworker.worker.jobs import JobResult
-from qworker.worker.sinks.base import Delta, ResultSink, latest_attempt
-from qworker.worker.sources.memory import URL_PARAMS, Journal
+from qworker.worker.urls import named_location
 
 
 class MemoryResultSink(ResultSink):
     """`journal`, when given, records ("deltas", job id) for each delta and ("result", job id)
-    for each stored result (see sources/memory.py)."""
+    for each stored result (see queue.py)."""
 
     def __init__(self, journal: Journal | None = None) -> None:
         self.journal = journal
@@ -89,6 +88,11 @@ class MemoryResultSink(ResultSink):
             if not new and is_ended:
                 return
 
+    def delete_result(self, job_id: str) -> None:
+        with self._changed:
+            for store in (self.results, self.deltas, self.ended, self.last_errors):
+                store.pop(job_id, None)
+
     def request_cancel(self, job_id: str) -> None:
         with self._changed:
             self.cancel_requested.add(job_id)
@@ -116,12 +120,8 @@ _named_sinks_lock = threading.Lock()
 
 
 def open_sink(url: str) -> MemoryResultSink:
-    parts = urlsplit(url)
     # The queue's parameters are allowed (and ignored): one memory:// URL may serve as both.
-    reject_unknown_params(url, dict(parse_qsl(parts.query, keep_blank_values=True)), URL_PARAMS)
-    name = parts.netloc + parts.path
-    if not name:
-        raise InvalidURLError(f"URL {redact_url(url)!r} names no store; use memory://NAME")
+    name, _ = named_location(url, URL_PARAMS, "store; use memory://NAME")
     with _named_sinks_lock:
         sink = _named_sinks.get(name)
         if sink is None:

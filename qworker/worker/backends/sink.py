@@ -1,8 +1,13 @@
-"""The result-sink interface: where the worker writes streamed deltas and final results.
+"""The result-store interface: where the worker writes streamed deltas and final results, and
+the notes kept beside them.
 
 The store keeps exactly one result per job id: `write_result` stores only when none exists
-and says whether it stored. The read side (`get_result`, `read_deltas`) and the cancel flags
-live on the same store, because the client reads what the worker writes there.
+and says whether it stored. The read side (`get_result`, `read_deltas`) lives on the same
+store, because the client reads what the worker writes there.
+
+Cancel flags, last errors and worker stats are not results: they are `JobNotes`, what clients
+and workers tell each other about jobs. Each result store keeps them too (in Redis, under the
+same prefix), and a split store (split_sink.py) sends them to its streaming side.
 """
 
 from __future__ import annotations
@@ -52,7 +57,34 @@ def wait_for_result(sink: ResultSink, job_id: str, timeout_s: float | None) -> I
     yield  # a generator, like every read_deltas
 
 
-class ResultSink(abc.ABC):
+class JobNotes(abc.ABC):
+    """Cancel flags (client -> worker), last errors (one attempt -> the next) and worker stats
+    (worker -> operators and the pool-demand exporter)."""
+
+    @abc.abstractmethod
+    def request_cancel(self, job_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def cancelled_ids(self, job_ids: list[str]) -> set[str]:
+        """The ids among `job_ids` whose cancellation was requested."""
+
+    def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:  # noqa: B027 - optional hook
+        """Keep, per job id, what went wrong in its latest attempt (or, written as an attempt
+        begins, what would explain it never ending: the worker died). The attempt after it reads
+        this back when it dead-letters the job, so that the reason names the real error. Kept for
+        a day; a store without a place for it forgets."""
+
+    def last_error(self, job_id: str) -> str | None:
+        """What write_last_errors kept for the job, or None."""
+        return None
+
+    def write_worker_stats(self, worker_name: str, stats: Any) -> None:  # noqa: B027 - optional hook
+        """Publish a worker's stats (a dataclass) for operators; a store may ignore them."""
+
+
+class ResultSink(JobNotes):
+    """A result store, with the job notes kept beside its results."""
+
     @abc.abstractmethod
     def write_deltas(self, deltas: list[Delta]) -> None:
         """Append each delta to its job's live stream (one round trip for a whole engine step)."""
@@ -74,29 +106,14 @@ class ResultSink(abc.ABC):
         Raises TimeoutError when nothing new arrives within `timeout_s`.
         """
 
-    @abc.abstractmethod
-    def request_cancel(self, job_id: str) -> None: ...
-
-    @abc.abstractmethod
-    def cancelled_ids(self, job_ids: list[str]) -> set[str]:
-        """The ids among `job_ids` whose cancellation was requested."""
-
-    def end_deltas(self, job_id: str, status: str) -> None:  # noqa: B027 - optional hook
+    def end_deltas(self, job_id: str, status: str) -> None:
         """End the job's live stream (its result is stored, here or in another store): a reader
         of `read_deltas` stops. A store that streams deltas must implement it."""
 
-    def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:  # noqa: B027 - optional hook
-        """Keep, per job id, what went wrong in its latest attempt (or, written as an attempt
-        begins, what would explain it never ending: the worker died). The attempt after it reads
-        this back when it dead-letters the job, so that the reason names the real error. Kept for
-        a day; a store without a place for it forgets."""
+    @abc.abstractmethod
+    def delete_result(self, job_id: str) -> None:
+        """Remove the job's result, its deltas and its last error (replaying a dead letter,
+        dead_letters.clear_failed_result, is the one caller)."""
 
-    def last_error(self, job_id: str) -> str | None:
-        """What write_last_errors kept for the job, or None."""
-        return None
-
-    def write_worker_stats(self, worker_name: str, stats: Any) -> None:  # noqa: B027 - optional hook
-        """Publish a worker's stats (a dataclass) for operators; a sink may ignore them."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release network resources."""

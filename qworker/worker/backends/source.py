@@ -7,7 +7,7 @@ that is neither acked nor extended expires, and the queue hands the message out 
 how a killed worker loses nothing.
 
 Redis Streams, SQS and Celery (kombu's Redis transport) all map onto this; so does the in-memory
-queue of tests (sources/memory.py):
+queue of tests (memory/queue.py):
 - lease:       XAUTOCLAIM + XREADGROUP | ReceiveMessage              | RPOP into kombu's unacked hash,
                                                                        expired ones restored first
 - extend:      XCLAIM JUSTID (idle=0)  | ChangeMessageVisibility     | reset the unacked-index time,

@@ -1,0 +1,38 @@
+"""A worker's counters, as it publishes them (write_worker_stats: JSON of this dataclass)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qworker.worker.admission import AdmissionStats
+from qworker.worker.jobs import JobStatus
+
+# The counter each stored result's status adds one to.
+RESULT_COUNTERS: dict[JobStatus, str] = {
+    JobStatus.COMPLETED: "num_completed",
+    JobStatus.FAILED: "num_failed",
+    JobStatus.TIMEOUT: "num_timeout",
+    JobStatus.CANCELLED: "num_cancelled",
+}
+
+
+@dataclass
+class WorkerStats:
+    admission: AdmissionStats | None = None
+    num_completed: int = 0
+    num_failed: int = 0
+    num_timeout: int = 0
+    num_cancelled: int = 0
+    num_dead_lettered: int = 0
+    num_released: int = 0
+    # Redelivered jobs that already had a result: acked without running.
+    num_skipped_done: int = 0
+    num_leases_lost: int = 0
+    num_steps: int = 0
+    # Broker outages ridden out, and text deltas dropped because one lasted too long.
+    num_broker_outages: int = 0
+    num_deltas_dropped: int = 0
+
+    def count_result(self, status: JobStatus) -> None:
+        counter = RESULT_COUNTERS[status]
+        setattr(self, counter, getattr(self, counter) + 1)

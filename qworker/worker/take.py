@@ -1,0 +1,147 @@
+"""Taking a leased message: intake (intake.py) decides its outcome, and this carries it out, so that
+the message ends through finish.py or starts in the engine and joins the held set (held.py).
+
+Only reads reach the broker before a job enters the engine (writes go to the outbox), so a
+message whose taking failed part-way because the broker went away is taken again from the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from qworker.errors import InvalidRequestError
+from qworker.worker import intake
+from qworker.worker.admission import AdmissionPolicy
+from qworker.worker.backends.sink import Delta, ResultSink
+from qworker.worker.backends.source import JobSource, Lease
+from qworker.worker.engine_protocol import EngineProtocol
+from qworker.worker.finish import Finisher
+from qworker.worker.held import HeldJob, HeldJobs
+from qworker.worker.jobs import JobStatus, resolve_job_id
+from qworker.worker.outbox import Outbox
+from qworker.worker.retry import BrokerOutageError, is_transient
+
+logger = logging.getLogger(__name__)
+
+
+class Taker:
+    """Carries out intake's outcome for each leased message; also the IntakeFacts it reads."""
+
+    def __init__(
+        self,
+        *,
+        worker_name: str,
+        engine: EngineProtocol,
+        source: JobSource,
+        sink: ResultSink,
+        held: HeldJobs,
+        outbox: Outbox,
+        finish: Finisher,
+        admission: AdmissionPolicy,
+        log_payloads: bool,
+    ) -> None:
+        self.worker_name = worker_name
+        self.engine = engine
+        self.source = source
+        self.sink = sink
+        self.held = held
+        self.outbox = outbox
+        self.finish = finish
+        self.admission = admission
+        self.log_payloads = log_payloads
+        # Written for each job as it enters the engine (one round trip per pull, pop_attempt_notes):
+        # read back only if the attempt never ends here, to say why the job is later dead-lettered.
+        self._attempt_notes: dict[str, str] = {}
+
+    def pop_attempt_notes(self) -> dict[str, str]:
+        notes, self._attempt_notes = self._attempt_notes, {}
+        return notes
+
+    def take(self, lease: Lease, max_attempts: int) -> None:
+        """Take one message. An error nobody foresaw is confined to it (intake.unforeseen_failure);
+        a broker error is raised, and the message is taken again later."""
+        job_id = resolve_job_id(lease.job_id, lease.body, self.source.queue_name, lease.message_id)
+        try:
+            self._apply(intake.intake(lease, job_id, self, max_attempts=max_attempts, now=time.time()))
+        except Exception as exc:
+            if is_transient(exc) or isinstance(exc, BrokerOutageError):
+                raise  # the broker is away, not this message at fault: taken again later
+            outcome = intake.unforeseen_failure(lease, job_id, exc)
+            logger.error("message %s: %s", lease.message_id, outcome.reason)
+            logger.debug("message %s: the error", lease.message_id, exc_info=True)
+            try:
+                held = self.held.get(job_id) if job_id is not None else None
+                if held is not None and held.lease.message_id == lease.message_id:
+                    self.held.drop(job_id)  # it got as far as the engine
+                self._apply(outcome)
+            except Exception:
+                # Its lease expires and a later attempt, past max_attempts, dead-letters it first.
+                logger.exception("message %s: cannot dead-letter it either", lease.message_id)
+
+    # -- IntakeFacts -------------------------------------------------------------------------
+
+    def is_held(self, job_id: str) -> bool:
+        return job_id in self.held
+
+    def is_result_pending(self, job_id: str) -> bool:
+        return self.outbox.final_for(job_id) is not None
+
+    def has_result(self, job_id: str) -> bool:
+        return self.sink.has_result(job_id)
+
+    def last_error(self, job_id: str) -> str | None:
+        return self.sink.last_error(job_id)
+
+    def is_cancelled(self, job_id: str) -> bool:
+        return bool(self.sink.cancelled_ids([job_id]) or self.source.revoked_ids([job_id]))
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def _apply(self, outcome: intake.Outcome) -> None:
+        if isinstance(outcome, (intake.Fail, intake.Cancel, intake.Run)) and self.log_payloads:
+            logger.debug("job %s payload: %r", outcome.job_id, outcome.lease.body)
+        if isinstance(outcome, intake.JoinHeld):
+            self.held.join(outcome.job_id, outcome.lease)
+        elif isinstance(outcome, intake.AckDone):
+            pending = self.outbox.final_for(outcome.job_id)
+            if outcome.is_result_pending and pending is not None:
+                self.finish.join_pending(pending, outcome.lease)
+            else:
+                self.finish.ack_done(outcome.lease)
+        elif isinstance(outcome, intake.DeadLetter):
+            self.finish.dead_letter(outcome.lease, outcome.kind, outcome.reason, outcome.job_id)
+        elif isinstance(outcome, (intake.Fail, intake.Cancel)):
+            status = JobStatus.FAILED if isinstance(outcome, intake.Fail) else JobStatus.CANCELLED
+            self.finish.end_unstarted(outcome.lease, outcome.job_id, outcome.job, status, outcome.error)
+        else:
+            self._start(outcome)
+
+    def _start(self, run: intake.Run) -> None:
+        """Hand the job to the engine and hold it."""
+        lease, job_id, job = run.lease, run.job_id, run.job
+        now = time.time()
+        try:
+            prompt = intake.prepare_prompt(self.engine, job)
+            self.engine.add_request(
+                job_id, prompt, job.params, priority=job.priority, arrival_time=lease.enqueued_at or now
+            )
+        except Exception as exc:
+            if not isinstance(exc, InvalidRequestError):  # PromptTooLongError included
+                # The traceback may quote the input: only with payload logging on.
+                logger.warning("job %s: cannot prepare its prompt", job_id, exc_info=self.log_payloads)
+            self._apply(intake.start_failure(run, exc))
+            return
+        num_prompt_tokens = len(prompt["prompt_token_ids"])
+        limits = [t for t in (job.timeout_s, lease.time_limit_s) if t is not None]
+        deadline = now + min(limits) if limits else None
+        self.held.add(HeldJob(job, lease, num_prompt_tokens, deadline))
+        if lease.delivery_count > 1:
+            # This attempt streams from the start: live readers drop what earlier ones streamed.
+            self.outbox.add_deltas([Delta(job_id, "", attempt=lease.delivery_count)])
+        self._attempt_notes[job_id] = (
+            f"attempt {lease.delivery_count} (worker {self.worker_name}, begun "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}) ended without a result: "
+            "its worker was killed or crashed, or lost the job's lease"
+        )
+        self.admission.observe_prompt(num_prompt_tokens, self.engine.num_cached_prefix_tokens(job_id))
