@@ -1,10 +1,9 @@
-"""No import cycles inside qworker: the graph of which module imports which has no cycle.
+"""No import cycles inside qworker: the graph of which module imports which at module level has no
+cycle. Module level means at the top of a file or in its module-level if/try/with blocks, `if
+TYPE_CHECKING:` included (a type shared both ways is a circle too, cured the same way: move the
+shared types down). Imports inside functions are lazy by intent and do not count.
 
-Every import counts, at the top of a file, under `if TYPE_CHECKING:` (a type shared both ways is a
-circle too) and inside functions: a lazy import that closes a circle (`attention` choosing
-`triton_attention`, which imports `attention`'s types) still ties the two modules together, and
-the cure is the same, moving the shared types down. Read from the source with `ast`: nothing is
-imported, so it costs well under a second.
+Read from the source with `ast`: nothing is imported, so it costs well under a second.
 """
 
 from __future__ import annotations
@@ -34,18 +33,25 @@ def module_files(package_dir: Path) -> dict[str, Path]:
     return modules
 
 
-def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
-    for node in ast.walk(tree):
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements that run when the module is imported: not those in functions or
+    classes."""
+    for node in body:
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _module_level(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                yield from _module_level(handler.body)
 
 
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules that `name` imports anywhere in its file. `from a.b import c` counts
-    as an import of `a.b.c` when that is a module, else of `a.b`."""
+    """The package's modules that `name` imports at module level. `from a.b import c` counts as
+    an import of `a.b.c` when that is a module, else of `a.b`."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in _imports(ast.parse(path.read_text(), str(path))):
+    for node in _module_level(ast.parse(path.read_text(), str(path)).body):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -116,9 +122,9 @@ def test_the_checker_finds_a_cycle(tmp_path):
     (pkg / "d.py").write_text("from pkg.c import lazy\n")
     graph = import_graph(pkg)
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}
-    assert graph["pkg.c"] == {"pkg.a", "pkg.d"} and graph["pkg.d"] == {"pkg.c"}
-    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.d", "pkg.sub.b"]]
-    (pkg / "c.py").write_text("def lazy():\n    from pkg import d\n")
+    assert graph["pkg.c"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.c"}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    (pkg / "c.py").write_text("import pkg.d\n")
     assert cycles(import_graph(pkg)) == [["pkg.c", "pkg.d"]]
     (pkg / "d.py").write_text("import pkg\n")
     assert cycles(import_graph(pkg)) == []
