@@ -25,6 +25,7 @@ KERNEL_MODULES = (
     "triton_rmsnorm",
     "triton_activation",
     "triton_rotary",
+    "triton_fused_moe",
 )
 
 
@@ -143,6 +144,55 @@ EXTRAS_SCALE_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
+class MoeCase:
+    """One fused-MoE input: T tokens of hidden size H, E experts of intermediate size I, top-k."""
+
+    name: str
+    num_tokens: int
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    dtype: torch.dtype
+
+
+def moe_cases(dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> list[MoeCase]:
+    """Odd sizes (H and I not multiples of the 32/64 tiles), top-1 and top-2 of 4 to 8 experts,
+    one token (a decode), a few, and enough that row tiles of 64 fill; every case in the first
+    dtype, two in the others."""
+    shapes = [
+        (1, 48, 40, 4, 2),
+        (7, 72, 24, 8, 2),
+        (33, 48, 80, 6, 1),
+        (70, 40, 48, 4, 2),
+        (300, 40, 24, 4, 2),  # 600 pairs: row tiles of 64
+    ]
+    cases = []
+    for dtype in dtypes:
+        for t, h, i, e, k in shapes if dtype == dtypes[0] else shapes[1:3]:
+            name = f"t{t}_h{h}_i{i}_e{e}_top{k}_{str(dtype).removeprefix('torch.')}"
+            cases.append(MoeCase(name, t, h, i, e, k, dtype))
+    return cases
+
+
+def make_moe_inputs(
+    case: MoeCase, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """(hidden, w_gate_up, w_down, topk_weights, topk_ids) as a router would give them: distinct
+    experts per token, weights that sum to 1. Weights are scaled so that outputs stay near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h, i, e = case.num_tokens, case.hidden_size, case.intermediate_size, case.num_experts
+    hidden = torch.randn(t, h, generator=gen)
+    w_gate_up = torch.randn(e, 2 * i, h, generator=gen) * h**-0.5
+    w_down = torch.randn(e, h, i, generator=gen) * i**-0.5
+    logits = torch.randn(t, e, generator=gen)
+    weights, ids = torch.topk(logits.softmax(-1), case.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    tensors = (hidden.to(case.dtype), w_gate_up.to(case.dtype), w_down.to(case.dtype), weights, ids)
+    return tuple(x.to(device) for x in tensors)
+
+
+@dataclass(frozen=True)
 class CaseResult:
     kernel: str
     case: str
@@ -212,6 +262,7 @@ def reference_checks(
     mods = modules if modules is not None else kernel_modules()
     pa, kv = mods["triton_paged_attention"], mods["triton_kv_cache"]
     rn, act, rot = mods["triton_rmsnorm"], mods["triton_activation"], mods["triton_rotary"]
+    fused_moe = mods["triton_fused_moe"]
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -284,3 +335,8 @@ def reference_checks(
             q, k, _ = buf.split([nh * hd, kvh * hd, kvh * hd], dim=-1)
             fn(q.view(tokens, nh, hd), k.view(tokens, kvh, hd), positions, cos, sin)
         yield compare("apply_rotary", "strided_qkv", qkv, ref)
+
+    for case in moe_cases(dtypes):
+        moe_args = make_moe_inputs(case, device=device)
+        got = fused_moe.fused_moe(*moe_args)
+        yield compare("fused_moe", case.name, got, fused_moe.fused_moe_reference(*moe_args))
