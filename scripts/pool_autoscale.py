@@ -6,13 +6,13 @@
     python scripts/pool_autoscale.py cold-start [--model smollm2] [--threads 2] [--repeats 3]
                                                 [--first-start N]
 
-timeline: the pool test's scenario (qworker.bench.pool_scenario.bursty_config) with more cycles:
+timeline: the pool test's scenario (tests/pool_emulator/scenario.py, bursty_config) with more cycles:
 KEDA and the HPA played on the exporter's pool-demand signal, real worker processes on a tiny
 random Llama, bursts and trickles of jobs on the Redis server at 127.0.0.1:6379 (else the embedded
 one). Writes timeline.json (every poll, every worker, every job) and timeline.png.
 
 cold-start: one worker started with a job already waiting, as at scale from zero, timed from
-process start to /readyz 200 and to the job's first token (qworker.bench.worker_pool). With
+process start to /readyz 200 and to the job's first token (tests/pool_emulator/worker_pool.py). With
 --first-start N, first N starts on an empty cache folder (a node's first start: the GGUF
 conversion and the CPU kernel build). Prints a JSON record with the machine and its load.
 
@@ -35,10 +35,18 @@ from typing import Any
 
 import redis as redis_lib
 
-from qworker.bench.pool_scenario import bursty_config, plot_timeline, run_scenario, write_timeline_json
-from qworker.bench.worker_pool import measure_cold_start
+# The emulator is test support, not part of the installed package: import it from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.testing import cleanup, redis_base_url, unique_url, write_tiny_model_dir
+from tests.pool_emulator.scenario import (
+    bursty_config,
+    plot_timeline,
+    run_scenario,
+    write_timeline_json,
+)
+from tests.pool_emulator.worker_pool import measure_cold_start
 
 COLD_START_JOB = {
     "messages": [{"role": "user", "content": "Why is the sky blue?"}],

@@ -1,8 +1,8 @@
-"""An autoscaled pool on loopback: the test plays KEDA and the HPA (qworker.bench.autoscale) on the
+"""An autoscaled pool on loopback: the test plays KEDA and the HPA (tests/pool_emulator/autoscale.py) on the
 pool-demand signal, read every second over HTTP from the exporter's own loop, and starts and stops
 real worker processes (1 torch thread each, at most 2 at once) while bursts of a few hundred small
 jobs and a trickle of longer ones arrive on the Redis server at 127.0.0.1:6379 (else the embedded
-one). The scenario (qworker.bench.pool_scenario.bursty_config) scales 0 -> 2 -> 1 -> 0 -> 2 -> 0:
+one). The scenario (tests/pool_emulator/scenario.py, bursty_config) scales 0 -> 2 -> 1 -> 0 -> 2 -> 0:
 the scale-in to 1 happens during the trickle and removes the worker holding the most jobs, with a
 drain grace shorter than what is left of them, so that it releases them to its peer."""
 
@@ -13,10 +13,10 @@ import json
 import pytest
 import redis as redis_lib
 
-from qworker.bench.pool_scenario import ScenarioRun, bursty_config, run_scenario
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobStatus
 from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from tests.pool_emulator.scenario import ScenarioRun, bursty_config, run_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -1,11 +1,11 @@
-"""The KEDA + HPA arithmetic of qworker.bench.autoscale, poll by poll."""
+"""The KEDA + HPA arithmetic of tests/pool_emulator/autoscale.py, poll by poll."""
 
 from __future__ import annotations
 
 import pytest
 
-from qworker.bench.autoscale import Autoscaler, ScalingPolicy
-from qworker.bench.pool_scenario import Burst, bursty_config, plan_jobs
+from tests.pool_emulator.autoscale import Autoscaler, ScalingPolicy
+from tests.pool_emulator.scenario import Burst, bursty_config, plan_jobs
 
 pytestmark = pytest.mark.timeout(30)
 

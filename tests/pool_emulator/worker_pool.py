@@ -1,7 +1,7 @@
 """A pool of real `qworker worker` processes on this machine, sized like a Deployment: set_replicas()
 starts processes or stops them with SIGTERM (a drain), poll() follows their readiness (/readyz) and
 collects each one's final stats when it exits. With the autoscaler (autoscale.py) it plays a
-cluster's part in pool_scenario.py; measure_cold_start() times one worker from process start to
+cluster's part in scenario.py; measure_cold_start() times one worker from process start to
 ready and to its first token.
 
 Like a ReplicaSet, a scale-down removes replicas that are not started or not ready first. Among

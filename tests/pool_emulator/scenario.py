@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from qworker.bench.autoscale import Autoscaler, ScalingPolicy
-from qworker.bench.worker_pool import Victim, WorkerPool
 from qworker.worker.backends.redis import keys as constants
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
 from qworker.worker.demand import PoolSizing
 from qworker.worker.exporter import run_metrics_exporter
 from qworker.worker.jobs import JobResult
+from tests.pool_emulator.autoscale import Autoscaler, ScalingPolicy
+from tests.pool_emulator.worker_pool import Victim, WorkerPool
 
 # Polls at 0 workers with no demand and results missing after which a run ends (the signal can
 # lag the last submission by an exporter interval; a few polls cover that).

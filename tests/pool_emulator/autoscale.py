@@ -1,7 +1,7 @@
 """KEDA and the HPA as a few lines of arithmetic: what a cluster decides from the pool-demand signal
 at each poll, so that a pool of worker processes on one machine can be scaled the way
 infra/k8s/keda-kv-demand.yaml scales a Deployment (worker_pool.py starts and stops the processes,
-pool_scenario.py drives both).
+scenario.py drives both).
 
 The rules, as KEDA v2 and the Kubernetes HPA (autoscaling/v2) apply them:
 
