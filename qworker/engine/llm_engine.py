@@ -17,6 +17,7 @@ from qworker.engine.outputs import (
     CompletionOutput,
     Logprob,
     LogprobsDict,
+    RequestError,
     RequestMetrics,
     RequestOutput,
     StepOutput,
@@ -27,6 +28,8 @@ from qworker.engine.runner import ModelRunner
 from qworker.engine.sampler import PositionLogprobs
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
+from qworker.engine.structured.manager import MAX_FAST_FORWARD_TOKENS, StructuredOutputManager
+from qworker.engine.structured.state import GrammarState, consume, forced_tokens
 from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError
 from qworker.model.config import ModelConfig
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
@@ -47,6 +50,7 @@ class _RequestState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
+    error: RequestError | None = None
 
 
 class LLMEngine:
@@ -82,7 +86,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and self.model_config.is_prefix_cacheable,
             # What decides a block's KV besides its tokens: this engine's weights and dtype.
             cache_salt=f"{config.model}|{self.runner.dtype}",
         )
@@ -96,6 +100,10 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         # n > 1 requests: their children are requests of their own in _states and the scheduler.
         self._parallel = ParallelSampling()
+        # Grammars of structured-output requests; such a request waits there until it compiles.
+        self.structured = StructuredOutputManager(
+            tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
         self.num_steps = 0
         self.startup_seconds = time.perf_counter() - started
         logger.info(
@@ -205,24 +213,47 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._states or request_id in self._parallel:
+        if (
+            request_id in self._states
+            or request_id in self._parallel
+            or request_id in self.structured.waiting
+        ):
             raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt_token_ids(token_ids)
         params.check_model_limits(self.model_config.vocab_size)
-        now = time.time()
-        if params.n == 1:
-            self._enqueue(request_id, text, token_ids, params, priority, arrival_time or now)
-            return request_id
-        if any(child_id(request_id, i) in self._states for i in range(params.n)):
+        if params.n > 1 and any(child_id(request_id, i) in self._states for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} clashes with a request in the engine")
-        parent = self._parallel.add(request_id, text, token_ids, params, priority, arrival_time or now)
+        arrival_time = arrival_time or time.time()
+        if params.structured_outputs is not None:
+            # Compiles off this thread; the request joins the scheduler at a later step.
+            self.structured.wait_for_grammar(
+                request_id,
+                params.structured_outputs,
+                lambda: self._start(request_id, text, token_ids, params, priority, arrival_time),
+            )
+            return request_id
+        self._start(request_id, text, token_ids, params, priority, arrival_time)
+        return request_id
+
+    def _start(
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival_time: float,
+    ) -> None:
+        if params.n == 1:
+            self._enqueue(request_id, text, token_ids, params, priority, arrival_time)
+            return
+        parent = self._parallel.add(request_id, text, token_ids, params, priority, arrival_time)
         self._enqueue(
             parent.first_child_id, text, token_ids, child_params(params, 0), priority, parent.arrival_time
         )
         if not self.config.enable_prefix_caching:
             self._release_children(parent)
-        return request_id
 
     def _release_children(self, parent: ParentRequest) -> None:
         # The others queue in completion 0's place, not behind requests that came after it.
@@ -250,6 +281,8 @@ class LLMEngine:
         arrival_index: int | None = None,
     ) -> None:
         request = Request(request_id, token_ids, params, priority=priority)
+        if params.structured_outputs is not None:
+            request.grammar = self.structured.new_state(params.structured_outputs)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -264,6 +297,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a queued or running request now and free its blocks. Returns its partial output."""
+        if self.structured.waiting.pop(request_id, None) is not None:
+            return None  # its grammar was still compiling: nothing ran
         parent = self._parallel.pop(request_id)
         if parent is not None:
             for index, cid in enumerate(parent.child_ids):
@@ -279,7 +314,11 @@ class LLMEngine:
         return self._make_output(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._parallel.has_pending_children()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._parallel.has_pending_children()
+            or bool(self.structured.waiting)
+        )
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv_cache_manager.stats()
@@ -297,11 +336,13 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return each request's new tokens and text."""
+        failed = self._start_compiled()
         self._release_prefilled_children()
         plan = self.scheduler.schedule()
         outputs = [self._finish_capacity(request_id) for request_id in plan.capacity_finished_request_ids]
         if plan.is_empty:
-            return outputs
+            self.structured.wait_idle()
+            return failed + self._routed(outputs)
         now = time.time()
         for item in plan.scheduled:
             metrics = self._states[item.request_id].metrics
@@ -314,21 +355,89 @@ class LLMEngine:
                 self._states[request_id].request.prompt_logprobs.extend(scored)
             self.scheduler.update_from_output(plan, result.sampled)
             now = time.time()
+            consume(
+                [
+                    (grammar, token_id)
+                    for request_id, token_id in result.sampled.items()
+                    if (grammar := self._states[request_id].request.grammar) is not None
+                ]
+            )
+            constrained: list[tuple[_RequestState, StepOutput]] = []
             for request_id, token_id in result.sampled.items():
                 state = self._states[request_id]
                 token_logprobs = result.logprobs.get(request_id)
                 if token_logprobs is not None:
                     state.request.logprobs.append(token_logprobs)
-                outputs.append(self._process_token(state, token_id, now))
+                step_output = self._process_token(state, token_id, now)
+                outputs.append(step_output)
+                if state.request.grammar is not None and not step_output.finished:
+                    constrained.append((state, step_output))
+            if constrained and self.structured.enable_fast_forward:
+                self._fast_forward(constrained, now)
             self._release_prefilled_children()
         except Exception as exc:
             # Which requests ran is known here and nowhere else: the caller aborts them.
             ran = [*plan.capacity_finished_request_ids, *(item.request_id for item in plan.scheduled)]
             ran = list(dict.fromkeys(self._parallel.caller_id(r) for r in ran))
             raise EngineStepError(f"{type(exc).__name__}: {exc}", ran) from exc
+        return failed + self._routed(outputs)
+
+    def _routed(self, outputs: list[StepOutput]) -> list[StepOutput]:
         if not self._parallel.has_children():
             return outputs
         return [routed for out in outputs if (routed := self._parallel.route(out)) is not None]
+
+    # -- structured outputs ------------------------------------------------------------------
+
+    def _start_compiled(self) -> list[StepOutput]:
+        """Queue the requests whose grammar compiled; a finished, failed output for each whose
+        grammar did not."""
+        failed = []
+        for waiting, error in self.structured.take_ready():
+            if error is None:
+                waiting.start()
+                continue
+            logger.info("request %s failed: %s", waiting.request_id, error)
+            output = RequestOutput(
+                request_id=waiting.request_id,
+                prompt=None,
+                prompt_token_ids=[],
+                outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=None)],
+                finished=True,
+                metrics=RequestMetrics(time.time(), finished_time=time.time()),
+                error=RequestError(type(error).__name__, str(error)),
+            )
+            failed.append(StepOutput(waiting.request_id, [], "", True, None, output))
+        return failed
+
+    def _fast_forward(self, constrained: list[tuple[_RequestState, StepOutput]], now: float) -> None:
+        """Where a grammar allows exactly one next token, append it without sampling: masked
+        decoding could pick nothing else. The next step computes these tokens as a prefill chunk.
+        Each forced token passes the same end checks as a sampled one (max_tokens, stop strings,
+        the context), and joins its request's step output."""
+        live = constrained
+        for _ in range(MAX_FAST_FORWARD_TOKENS):
+            grammars: list[GrammarState] = [state.request.grammar for state, _ in live]  # type: ignore[misc]
+            tokens = forced_tokens(grammars)
+            forced = [(item, token) for item, token in zip(live, tokens, strict=True) if token is not None]
+            if not forced:
+                return
+            consume([(state.request.grammar, token) for (state, _), token in forced])  # type: ignore[misc]
+            live = []
+            for (state, step_output), token in forced:
+                state.request.append_output_token(token)
+                self.structured.num_fast_forward_tokens += 1
+                more = self._process_token(state, token, now)
+                step_output.new_token_ids.extend(more.new_token_ids)
+                step_output.text_delta += more.text_delta
+                if more.finished:
+                    step_output.finished = True
+                    step_output.finish_reason = more.finish_reason
+                    step_output.output = more.output
+                else:
+                    live.append((state, step_output))
+            if not live:
+                return
 
     def _release_prefilled_children(self) -> None:
         if self._parallel.has_parents():
@@ -348,6 +457,14 @@ class LLMEngine:
             elif token_id in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
+        grammar = request.grammar
+        if grammar is not None and status is None:
+            if grammar.error is not None:
+                status = RequestStatus.FINISHED_ABORTED
+                state.error = RequestError("StructuredOutputError", grammar.error)
+            elif grammar.is_stopped:
+                # The grammar is complete: nothing else may follow, so stop without an EOS.
+                status = RequestStatus.FINISHED_STOPPED
         if status is None and request.num_output_tokens >= params.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is None and request.num_tokens >= self.max_model_len:
@@ -401,6 +518,7 @@ class LLMEngine:
             metrics=state.metrics,
             num_preemptions=request.num_preemptions,
             prompt_logprobs=prompt_logprobs,
+            error=state.error,
         )
 
     def _logprobs_dict(self, position: PositionLogprobs) -> LogprobsDict:

@@ -28,6 +28,15 @@ class Logprob:
 LogprobsDict = dict[int, Logprob]
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why the engine failed one request on its own (its grammar did not compile, say): the
+    error's type name and a message for the user. The other requests run on."""
+
+    type: str
+    message: str
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -53,6 +62,8 @@ class RequestOutput:
     # One entry per prompt token when SamplingParams.prompt_logprobs is set; None for the first
     # token, which nothing predicts.
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    # Set when the engine failed this request alone; its outputs then hold what it made before.
+    error: RequestError | None = None
 
 
 @dataclass

@@ -2,10 +2,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qworker.engine.block_hash import BlockHash
 from qworker.engine.sampler import PositionLogprobs
 from qworker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qworker.engine.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +66,9 @@ class Request:
     # prompt but does not report those positions again.
     logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
+    # With sampling_params.structured_outputs: this completion's matcher, advanced by the engine
+    # after each step; the runner masks this request's logits with it. The scheduler ignores it.
+    grammar: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -13,9 +13,10 @@ import torch
 from qworker.config import DTYPE_ALIASES, EngineConfig
 from qworker.engine.cuda_graphs import DecodeCudaGraphs
 from qworker.engine.request import Request
-from qworker.engine.sampler import PositionLogprobs, Sampler, SamplingRow, compute_logprobs
-from qworker.engine.scheduler import SchedulerOutput
+from qworker.engine.sampler import PositionLogprobs, Sampler, SamplingRow, TokenBitmask, compute_logprobs
+from qworker.engine.scheduler import ScheduledRequest, SchedulerOutput
 from qworker.engine.step_inputs import StepInputs
+from qworker.engine.structured.state import fill_masks
 from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderForCausalLM
@@ -323,7 +324,7 @@ class ModelRunner:
         # Rows asking logprobs: their raw distribution, before the sampler masks logits in place.
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logits = logits[logprob_rows] if logprob_rows else None
-        token_ids = self.sampler.sample(logits, rows)
+        token_ids = self.sampler.sample(logits, rows, self._token_bitmask(inputs.sampled_requests, requests))
         output.sampled = {
             item.request_id: token for item, token in zip(inputs.sampled_requests, token_ids, strict=True)
         }
@@ -333,6 +334,25 @@ class ModelRunner:
             for i, position in zip(logprob_rows, compute_logprobs(raw_logits, chosen, num_top), strict=True):
                 output.logprobs[inputs.sampled_requests[i].request_id] = position
         return output
+
+    def _token_bitmask(
+        self, sampled: list[ScheduledRequest], requests: Mapping[str, Request]
+    ) -> TokenBitmask | None:
+        """The grammar masks of the constrained rows among `sampled` (None when there are none)."""
+        grammar_rows = [i for i, item in enumerate(sampled) if requests[item.request_id].grammar is not None]
+        if not grammar_rows:
+            return None
+        states = []
+        for i in grammar_rows:
+            request = requests[sampled[i].request_id]
+            assert request.grammar is not None
+            assert request.grammar.num_tokens == request.num_output_tokens, (
+                f"request {request.request_id}: matcher at {request.grammar.num_tokens} tokens, "
+                f"request at {request.num_output_tokens}"
+            )
+            states.append(request.grammar)
+        bitmask = torch.from_numpy(fill_masks(states)).to(self.device, non_blocking=True)
+        return TokenBitmask(torch.tensor(grammar_rows, dtype=torch.int64, device=self.device), bitmask)
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed

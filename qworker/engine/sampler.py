@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.structured.bitmask import apply_token_bitmask_
 
 
 @dataclass
@@ -15,6 +16,14 @@ class SamplingRow:
     num_output_tokens: int
     # Set for requests with a seed: their draws then depend on nothing else in the batch.
     generator: torch.Generator | None
+
+
+@dataclass
+class TokenBitmask:
+    """The grammar masks of a step's constrained rows."""
+
+    row_index: torch.Tensor  # [R] int64 rows of the logits
+    bitmask: torch.Tensor  # [R, ceil(vocab / 32)] int32, see structured/bitmask.py
 
 
 class Sampler:
@@ -35,9 +44,14 @@ class Sampler:
             self._generator.manual_seed(self._seed)
         return self._generator
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """logits: [N, vocab] float32 -> N token ids."""
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: TokenBitmask | None = None
+    ) -> list[int]:
+        """logits: [N, vocab] float32 -> N token ids. The grammar masks go first: temperature,
+        top-k/top-p/min-p then see only the tokens the grammar allows."""
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} requests"
+        if token_bitmask is not None:
+            apply_token_bitmask_(logits, token_bitmask.row_index, token_bitmask.bitmask)
         self._apply_min_tokens(logits, rows)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from qworker.config import MAX_SEED, MIN_SEED
+from qworker.engine.structured.spec import StructuredOutputs
 from qworker.errors import InvalidParamsError
 
 # Far past any context we can hold; rejects absurd values early with a clear message. A request
@@ -50,6 +52,10 @@ class SamplingParams:
     prompt token. Logprobs are raw: log_softmax of the model's logits before temperature,
     top-k, top-p and min-p (vLLM's default), so they do not depend on the sampling settings.
 
+    `structured_outputs` constrains the output to a JSON Schema, a regex, a list of choices or a
+    grammar (`StructuredOutputs`; a dict with its fields is converted, and an unknown key or a
+    second constraint is an error). See docs/structured_output.md.
+
     The checks here depend on the values alone. Those that depend on the model (token ids within
     its vocabulary) run when a request enters the engine: `check_model_limits`.
     """
@@ -69,8 +75,12 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # A dict (a job's JSON) becomes StructuredOutputs in __post_init__.
+    structured_outputs: dict[str, Any] | StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

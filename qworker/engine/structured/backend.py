@@ -1,0 +1,147 @@
+"""The grammar backend seam: compile a constraint for a tokenizer, and give each completion its
+own matcher. llguidance is the backend (Earley parser over derivative-based lexers: no
+backtracking, millisecond compiles, CPU only); it is imported when the first constrained request
+arrives, so the engine runs without it. Another backend (xgrammar) is one more class with the
+same two methods.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import numpy as np
+
+from qworker.engine.structured.spec import StructuredOutputError, StructuredOutputs
+
+
+class Matcher(Protocol):
+    """One completion's position in its grammar (llguidance's LLMatcher has these methods)."""
+
+    def consume_token(self, token_id: int) -> bool: ...
+    def is_stopped(self) -> bool: ...
+    def is_accepting(self) -> bool: ...
+    def is_error(self) -> bool: ...
+    def get_error(self) -> str: ...
+    def rollback(self, num_tokens: int) -> bool: ...
+
+
+class CompiledGrammar(Protocol):
+    """A constraint compiled for one tokenizer; cheap to start matchers from."""
+
+    def new_matcher(self) -> Matcher: ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """Compile, or raise StructuredOutputError naming the problem. Runs off the step thread."""
+        ...
+
+    def fill_masks(self, matchers: list[Matcher], bitmask: np.ndarray) -> None:
+        """bitmask: [len(matchers), words] int32; row i gets matcher i's allowed next tokens
+        (bit j of word w allows token 32 * w + j)."""
+        ...
+
+    def consume(self, pairs: list[tuple[Matcher, int]]) -> list[bool]:
+        """Advance each matcher by its token; False where the grammar refuses it."""
+        ...
+
+
+class _LLGuidanceGrammar:
+    def __init__(self, template: Any) -> None:
+        # Never advanced: every matcher is a copy of its start state (a copy takes ~5 us).
+        self._template = template
+
+    def new_matcher(self) -> Matcher:
+        return self._template.deep_copy()
+
+
+class LLGuidanceBackend:
+    """llguidance over a Hugging Face fast tokenizer. Building the backend's tokenizer takes
+    about a second (SmolLM2's 49,152 tokens), so it is built once, by the first compile."""
+
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._tokenizer: Any = None
+        self._executor: Any = None
+
+    def _llg(self) -> Any:
+        try:
+            import llguidance
+        except ImportError as exc:  # the engine itself runs without it
+            raise StructuredOutputError(
+                "structured_outputs needs the llguidance package, which is not installed here"
+            ) from exc
+        return llguidance
+
+    def _ll_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            llg = self._llg()
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids
+            )
+            # One thread per core at most; the masks of a 64-row batch take ~1 ms each.
+            self._executor = llg.LLExecutor()
+        return self._tokenizer
+
+    def grammar_text(self, spec: StructuredOutputs) -> str:
+        """The backend's own grammar for `spec` (llguidance JSON), or StructuredOutputError."""
+        llg = self._llg()
+        LLMatcher = llg.LLMatcher
+        try:
+            if spec.json is not None:
+                options: dict[str, Any] = {}
+                if spec.disable_any_whitespace:
+                    options["whitespace_flexible"] = False
+                if spec.whitespace_pattern is not None:
+                    options["whitespace_pattern"] = spec.whitespace_pattern
+                return LLMatcher.grammar_from_json_schema(json.dumps(spec.json), overrides=options or None)
+            if spec.regex is not None:
+                return LLMatcher.grammar_from_regex(spec.regex)
+            if spec.choice is not None:
+                lark = "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+                return LLMatcher.grammar_from_lark(lark)
+            assert spec.grammar is not None, "a spec has exactly one constraint"
+            return llg.grammar_from("grammar", spec.grammar)
+        except (ValueError, RuntimeError) as exc:
+            raise StructuredOutputError(f"structured_outputs.{spec.kind}: {exc}") from None
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        llg = self._llg()
+        tokenizer = self._ll_tokenizer()
+        grammar = self.grammar_text(spec)
+        # The default limits bound lexer fuel and Earley items, which is what keeps a
+        # catastrophic regex or an enormous schema to bounded time; verbose_errors=False keeps
+        # the parser's internals out of messages that reach users.
+        limits = llg.LLParserLimits(verbose_errors=False)
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise StructuredOutputError(
+                f"structured_outputs.{spec.kind} was refused by the grammar backend: {matcher.get_error()}"
+            )
+        return _LLGuidanceGrammar(matcher)
+
+    def fill_masks(self, matchers: list[Matcher], bitmask: np.ndarray) -> None:
+        assert bitmask.dtype == np.int32 and bitmask.flags.c_contiguous, "bitmask must be contiguous int32"
+        assert bitmask.shape[0] >= len(matchers), f"{bitmask.shape[0]} mask rows for {len(matchers)} matchers"
+        if not matchers:
+            return
+        self._ll_tokenizer()
+        row_bytes = bitmask.shape[1] * 4
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data, row_bytes, bitmask.shape[0]
+        )
+
+    def consume(self, pairs: list[tuple[Matcher, int]]) -> list[bool]:
+        if not pairs:
+            return []
+        self._ll_tokenizer()
+        return list(self._executor.consume_token_par(pairs))
