@@ -111,7 +111,7 @@ def run_batch(run: BatchRun, engine_config: EngineConfig, engine: LLMEngine | No
         if summary.num_to_run > 0 and run.queue is None:
             _run_local(engine or _load_engine(engine_config), run, output, summary, rows)
         elif summary.num_to_run > 0:
-            _run_pool(engine_config, run, output, summary, rows, journal_path)
+            _run_pool(engine_config, run, output, summary, rows, batch_id, journal_path)
     finally:
         output.close()
     journal_path.unlink(missing_ok=True)
@@ -148,16 +148,19 @@ def _run_pool(
     output: BatchOutput,
     summary: BatchSummary,
     rows: Iterator[RowRequest | RowFailure],
+    batch_id: str,
     journal_path: Path,
 ) -> None:
-    from qworker.batch.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner, SubmittedJournal
+    from qworker.batch.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
+    from qworker.batch.submitted import open_submitted
     from qworker.worker.client import Client
 
     assert run.queue is not None, "pool mode needs a queue"
-    journal = SubmittedJournal(journal_path)
-    if not run.resume:
-        journal.clear()
     with Client(queue=run.queue, results=run.results) as client:
+        # The record of sent rows lives in the result store (a file only for stores without one).
+        journal = open_submitted(client.sink, batch_id, journal_path)
+        if not run.resume:
+            journal.clear()
         progress = Progress(summary, run.progress, run.progress_interval_s)
         runner = PoolRunner(
             client,

@@ -2,24 +2,27 @@
 collected from the result store.
 
 A row's job id is derived from the batch id and its custom_id (rows.request_id_for), and the ids
-sent are appended to a journal beside the output once the queue took them. A rerun enqueues only
-rows that no run has enqueued and whose results are not in the store (a rerun into a new output
-file has a new journal, and must not put finished rows on the queue again: those entries would
+sent are recorded once the queue took them, in the result store beside the results
+(submitted.py), so that every runner of the batch sees the record: a rerun on another machine, or
+a gateway replica carrying on a batch that another started. A run enqueues only rows that no run
+has enqueued and whose results are not in the store (finished rows put on the queue again would
 count toward the queue depth that autoscalers read). It collects the rest from the store,
 including rows that finished while no runner was there; rows whose results were stored before
 this run are counted as collected, not as generated. The one gap: a runner killed after the
-queue took a send and before the journal recorded it enqueues those rows again on the rerun; a
+queue took a send and before the record holds it enqueues those rows again on the rerun; a
 worker that takes the second message after the first one's result is stored acks it without
 running it.
+
+A runner can be told to stop (`should_stop`, checked between sweeps): the gateway stops a batch
+that is cancelled, expired, or whose lease this replica lost; the rows still pending are then
+`pending_ids()`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,6 +32,7 @@ from qworker.batch.format import BatchOutputLine, RowError, error_line, success_
 from qworker.batch.output import BatchOutput
 from qworker.batch.progress import Progress
 from qworker.batch.rows import RowFailure, RowRequest
+from qworker.batch.submitted import SubmittedJournal, SubmittedRecord  # noqa: F401 - SubmittedJournal: its old home
 from qworker.engine.outputs import CompletionOutput
 from qworker.worker.client import Client
 from qworker.worker.jobs import (
@@ -61,33 +65,6 @@ ERROR_STATUS = {
     "JobTooLarge": (413, "request_too_large"),
     "Expired": (408, "expired"),
 }
-
-
-class SubmittedJournal:
-    """The job ids this batch has enqueued: one per line, appended (and synced) after each send."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.ids: set[str] = set()
-        if path.exists():
-            with open(path, "rb") as f:
-                # A last line without its newline was cut by a kill: not recorded.
-                self.ids = {raw.decode().strip() for raw in f if raw.endswith(b"\n")}
-
-    def __contains__(self, job_id: str) -> bool:
-        return job_id in self.ids
-
-    def add(self, job_ids: list[str]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab") as f:
-            f.write("".join(f"{job_id}\n" for job_id in job_ids).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        self.ids.update(job_ids)
-
-    def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self.ids = set()
 
 
 def job_for(row: RowRequest, default_max_tokens: int) -> Job:
@@ -181,10 +158,11 @@ class PoolRunner:
         client: Client,
         output: BatchOutput,
         progress: Progress,
-        journal: SubmittedJournal,
+        journal: SubmittedRecord,
         *,
         default_max_tokens: int = DEFAULT_POOL_MAX_TOKENS,
         max_pending: int = 10_000,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         assert max_pending >= 1, f"max_pending must be >= 1, got {max_pending}"
         self.client = client
@@ -193,6 +171,9 @@ class PoolRunner:
         self.journal = journal
         self.default_max_tokens = default_max_tokens
         self.max_pending = max_pending
+        self.should_stop = should_stop
+        # Set when should_stop ended the run early: the rows in pending_ids() have no line.
+        self.is_stopped = False
         self._pending: dict[str, RowRequest] = {}
         self._to_send: list[Job] = []
         # Rows whose results were in the store before this run sent anything for them.
@@ -200,9 +181,20 @@ class PoolRunner:
         self._poll_s = MIN_POLL_S
         self.num_enqueued = 0
 
+    def pending_ids(self) -> list[str]:
+        """Job ids enqueued (or about to be) whose lines are not written yet."""
+        return list(self._pending)
+
+    def _stopping(self) -> bool:
+        if self.should_stop is not None and self.should_stop():
+            self.is_stopped = True
+        return self.is_stopped
+
     def run(self, rows: Iterable[RowRequest | RowFailure]) -> None:
         self.progress.start()
         for item in rows:
+            if self._stopping():
+                return
             if isinstance(item, RowFailure):
                 self._write(error_line(item.custom_id, item.request_id, item.error), item.error.status_code)
                 continue
@@ -220,8 +212,12 @@ class PoolRunner:
             while len(self._pending) >= self.max_pending:
                 self._send()
                 self._wait_and_collect()
+                if self._stopping():
+                    return
         self._send()
         while self._pending:
+            if self._stopping():
+                return
             self._wait_and_collect()
 
     def _send(self) -> None:

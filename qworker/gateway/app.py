@@ -20,7 +20,7 @@ from qworker.gateway.errors import install_error_handlers
 from qworker.gateway.limits import BodyLimitMiddleware
 from qworker.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from qworker.gateway.pool import Pool
-from qworker.gateway.routes import chat, completions, health, models, tokenize
+from qworker.gateway.routes import batches, chat, completions, files, health, jobs, models, tokenize
 from qworker.gateway.settings import GatewaySettings
 from qworker.gateway.state import GatewayState
 
@@ -32,7 +32,13 @@ DEFAULT_ROUTERS: tuple[APIRouter, ...] = (
     models.router,
     tokenize.router,
     health.router,
+    # issue 23
+    files.router,
+    batches.router,
+    jobs.router,
 )
+# Room for the multipart framing and form fields around an upload at the file-size limit.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 def open_demand_gate(settings: GatewaySettings, queue_url: str | None) -> DemandGate:
@@ -76,9 +82,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.gate.start()
+        async_api.start()  # issue 23
         try:
             yield
         finally:
+            async_api.close()  # issue 23
             state.gate.close()
             state.pool.close()
 
@@ -89,11 +97,22 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.gateway = state
+    # -- issue 23: Files, Batches and async jobs (their state, the batch driver, webhooks) --
+    from qworker.gateway.async_api import AsyncApi
+
+    async_api = AsyncApi.open(settings, state.pool.client)
+    app.state.async_api = async_api
+    # --
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)
     # add_middleware wraps: the last added is the outermost.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        # issue 23: uploads have their own limit, enforced while they stream (uploads.py).
+        path_limits={"/v1/files": settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
+    )
     app.add_middleware(ApiKeyMiddleware, keys=api_keys)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     return app

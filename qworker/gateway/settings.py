@@ -76,6 +76,54 @@ class GatewaySettings:
         metadata={"help": "max_tokens of a chat request that gives none (capped by the context)"},
     )
 
+    # -- Files, Batches and async jobs (issue 23: file_store.py, batch_driver.py, webhooks.py) --
+    files_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where /v1/files keeps file bytes: a local directory (one replica) or "
+            "s3://bucket/prefix (several); none: ~/.cache/qworker/gateway-files"
+        },
+    )
+    max_file_bytes: int = field(
+        default=200 * 2**20, metadata={"help": "Uploads over this many bytes get 413 (OpenAI: 200 MB)"}
+    )
+    max_file_rows: int = field(
+        default=50_000, metadata={"help": "Uploads over this many lines get 413 (OpenAI: 50,000 requests)"}
+    )
+    file_expiry_s: int = field(
+        default=30 * 24 * 3600, metadata={"help": "Seconds an uploaded or output file is kept"}
+    )
+    batch_lease_s: float = field(
+        default=15.0,
+        metadata={"help": "Lease on a batch this replica drives; a killed replica's batch moves on after it"},
+    )
+    max_driven_batches: int = field(
+        default=4, metadata={"help": "Batches this replica drives at once (one thread each)"}
+    )
+    webhook_secret_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "File holding the Standard Webhooks secret (whsec_...); none: jobs take no webhook"
+        },
+    )
+    webhook_allow: str = field(
+        default="",
+        metadata={
+            "help": "Comma-separated hosts and networks (CIDR) webhooks may call; other hosts are allowed "
+            "only on public addresses (private, loopback and link-local ranges are refused)"
+        },
+    )
+    webhook_max_attempts: int = field(
+        default=6, metadata={"help": "Deliveries of one webhook before it is failed"}
+    )
+    webhook_timeout_s: float = field(default=10.0, metadata={"help": "Seconds one webhook delivery may take"})
+    webhook_backoff_s: float = field(
+        default=1.0, metadata={"help": "Wait before the second delivery; doubles after each failure"}
+    )
+    webhook_max_backoff_s: float = field(
+        default=60.0, metadata={"help": "Cap of the wait between deliveries"}
+    )
+
     def __post_init__(self) -> None:
         positive = {
             "port": self.port,
@@ -86,6 +134,16 @@ class GatewaySettings:
             "max_inflight_requests": self.max_inflight_requests,
             "limit_concurrency": self.limit_concurrency,
             "default_max_tokens": self.default_max_tokens,
+            # issue 23
+            "max_file_bytes": self.max_file_bytes,
+            "max_file_rows": self.max_file_rows,
+            "file_expiry_s": self.file_expiry_s,
+            "batch_lease_s": self.batch_lease_s,
+            "max_driven_batches": self.max_driven_batches,
+            "webhook_max_attempts": self.webhook_max_attempts,
+            "webhook_timeout_s": self.webhook_timeout_s,
+            "webhook_backoff_s": self.webhook_backoff_s,
+            "webhook_max_backoff_s": self.webhook_max_backoff_s,
         }
         for name, value in positive.items():
             if value <= 0:

@@ -1,0 +1,293 @@
+"""Runs batches created through POST /v1/batches on the pool, with the code `qworker batch --queue`
+uses (validate.check_input, rows.prepare_rows, pool.PoolRunner): job ids come from the batch id
+and each custom_id, and the record of sent rows is in the result store (batch/submitted.py), so a
+row is never enqueued twice, whichever replica drives the batch and however often it restarts.
+
+Every replica runs one scanner thread. It looks at the store's set of active batches, takes a
+lease on one it is not driving (leases.py), and drives it in a thread of its own while extending
+the lease. A killed replica's lease expires and another replica (or its restart) carries the
+batch on: output lines are written to a staging file in the local work directory as rows finish
+(a restart on the same machine resumes from it), and rows already finished are collected from the
+result store (a replica elsewhere rebuilds the output from there). At the end the output and
+error files are published to the file store and the batch completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from qworker.batch.files import iter_rows, parse_location
+from qworker.batch.output import BatchOutput, OutputFile
+from qworker.batch.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
+from qworker.batch.progress import BatchSummary, Progress, ProgressMode
+from qworker.batch.rows import prepare_rows
+from qworker.batch.submitted import open_submitted
+from qworker.batch.validate import BatchFileError, check_input
+from qworker.gateway.batch_objects import (
+    BATCH_KIND,
+    FILE_KIND,
+    BatchStatus,
+    file_object,
+    is_terminal,
+    new_id,
+    set_status,
+)
+from qworker.gateway.file_store import FileStore
+from qworker.gateway.leases import Leases
+from qworker.gateway.records import Records
+from qworker.gateway.settings import GatewaySettings
+from qworker.worker.client import Client
+
+logger = logging.getLogger(__name__)
+
+SCAN_INTERVAL_S = 0.5
+# How often a driven batch extends its lease, checks for cancel and expiry, and stores its counts.
+CHECK_INTERVAL_S = 0.5
+# OpenAI's batch errors list at most this many entries.
+MAX_ERRORS = 1000
+
+
+def cancel_flag_key(records: Records, batch_id: str) -> str:
+    return records.key("cancel", BATCH_KIND, batch_id)
+
+
+class _Stop(Exception):
+    """The lease went to another replica: drop the batch without touching its record."""
+
+
+class BatchDriver:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        client: Client,
+        records: Records,
+        files: FileStore,
+        leases: Leases,
+        work_dir: Path,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.records = records
+        self.files = files
+        self.leases = leases
+        self.work_dir = work_dir
+        self._driving: dict[str, threading.Thread] = {}
+        self._closing = threading.Event()
+        self._scanner: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._scanner = threading.Thread(target=self._scan_loop, name="batch-scanner", daemon=True)
+        self._scanner.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._scanner is not None:
+            self._scanner.join(timeout=5)
+        for thread in list(self._driving.values()):
+            thread.join(timeout=5)
+
+    def _scan_loop(self) -> None:
+        while not self._closing.wait(SCAN_INTERVAL_S):
+            try:
+                self._scan_once()
+            except Exception:
+                logger.exception("scanning for batches failed; retrying")
+
+    def _scan_once(self) -> None:
+        for batch_id, thread in list(self._driving.items()):
+            if not thread.is_alive():
+                del self._driving[batch_id]
+        for batch_id in self.records.active_ids(BATCH_KIND):
+            if len(self._driving) >= self.settings.max_driven_batches:
+                return
+            if batch_id in self._driving or not self.leases.take(BATCH_KIND, batch_id):
+                continue
+            thread = threading.Thread(
+                target=self._drive, args=(batch_id,), name=f"batch-{batch_id[-8:]}", daemon=True
+            )
+            self._driving[batch_id] = thread
+            thread.start()
+
+    # -- one batch --
+
+    def _load(self, batch_id: str) -> tuple[dict[str, Any], str] | None:
+        record = self.records.get(BATCH_KIND, batch_id)
+        if record is None:
+            return None
+        return record["batch"], record["owner"]
+
+    def _save(self, batch: dict[str, Any], owner: str) -> None:
+        self.records.put(BATCH_KIND, batch["id"], {"owner": owner, "batch": batch})
+
+    def _drive(self, batch_id: str) -> None:
+        try:
+            loaded = self._load(batch_id)
+            if loaded is None or is_terminal(loaded[0]):
+                self.records.deactivate(BATCH_KIND, batch_id)
+                return
+            batch, owner = loaded
+            if batch["status"] == BatchStatus.VALIDATING.value and not self._validate(batch, owner):
+                return
+            self._run(batch, owner)
+        except _Stop:
+            logger.info("batch %s: lease lost, another replica carries it on", batch_id)
+            return
+        except Exception:
+            logger.exception("batch %s: driving failed; it is retried", batch_id)
+        finally:
+            self.leases.release(BATCH_KIND, batch_id)
+
+    def _finish(self, batch: dict[str, Any], owner: str, status: BatchStatus) -> None:
+        set_status(batch, status)
+        self._save(batch, owner)
+        self.records.deactivate(BATCH_KIND, batch["id"])
+        self.records.redis.delete(cancel_flag_key(self.records, batch["id"]))
+        logger.info("batch %s: %s %s", batch["id"], status.value, batch["request_counts"])
+
+    def _validate(self, batch: dict[str, Any], owner: str) -> bool:
+        """The whole-file check of `qworker batch`, plus OpenAI's rule that every row names the
+        batch's endpoint. False: the batch failed (or was cancelled while validating)."""
+        location = self.files.location(batch["input_file_id"])
+        problems: list[tuple[int | None, str]] = []
+        try:
+            checked = check_input(location)
+        except BatchFileError as exc:
+            problems = [(_line_of(p), p) for p in exc.problems]
+        else:
+            for row in iter_rows(location):
+                if row.url != batch["endpoint"]:
+                    problems.append(
+                        (
+                            row.line_no,
+                            f"line {row.line_no}: url {row.url!r} is not the batch's endpoint "
+                            f"{batch['endpoint']!r}",
+                        )
+                    )
+            if checked.num_rows == 0:
+                problems.append((None, "the input file has no rows"))
+        if problems:
+            batch["errors"] = {
+                "object": "list",
+                "data": [
+                    {"code": "invalid_request", "message": message, "param": None, "line": line}
+                    for line, message in problems[:MAX_ERRORS]
+                ],
+            }
+            self._finish(batch, owner, BatchStatus.FAILED)
+            return False
+        if self.records.redis.exists(cancel_flag_key(self.records, batch["id"])):
+            self._finish(batch, owner, BatchStatus.CANCELLED)
+            return False
+        batch["request_counts"]["total"] = checked.num_rows
+        set_status(batch, BatchStatus.IN_PROGRESS)
+        self._save(batch, owner)
+        return True
+
+    def _run(self, batch: dict[str, Any], owner: str) -> None:
+        batch_id = batch["id"]
+        output_file = OutputFile(
+            parse_location(str(self.work_dir / f"{batch_id}.output.jsonl")), self.work_dir
+        )
+        errors_file = OutputFile(
+            parse_location(str(self.work_dir / f"{batch_id}.errors.jsonl")), self.work_dir
+        )
+        output = BatchOutput(output_file, errors_file)
+        ok_ids = output_file.load(resume=True)
+        failed_ids = errors_file.load(resume=True)
+        done = ok_ids | failed_ids
+        num_ok_before, num_failed_before = len(ok_ids), len(failed_ids)
+        done_before = len(done)
+        location = self.files.location(batch["input_file_id"])
+        summary = BatchSummary(batch["request_counts"]["total"], done_before)
+        progress = Progress(summary, ProgressMode.NONE)
+        stop_reason: list[BatchStatus] = []
+        last_check = 0.0
+
+        def counts() -> dict[str, int]:
+            failed = num_failed_before + summary.num_failed
+            completed = num_ok_before + summary.num_run - summary.num_failed
+            return {"total": batch["request_counts"]["total"], "completed": completed, "failed": failed}
+
+        def should_stop() -> bool:
+            nonlocal last_check
+            now = time.monotonic()
+            if now - last_check < CHECK_INTERVAL_S:
+                return False
+            last_check = now
+            if not self.leases.extend(BATCH_KIND, batch_id):
+                raise _Stop()
+            if self._closing.is_set():
+                raise _Stop()
+            if self.records.redis.exists(cancel_flag_key(self.records, batch_id)):
+                stop_reason.append(BatchStatus.CANCELLING)
+                if batch["status"] != BatchStatus.CANCELLING.value:
+                    set_status(batch, BatchStatus.CANCELLING)
+                return True
+            if time.time() >= batch["expires_at"]:
+                stop_reason.append(BatchStatus.EXPIRED)
+                return True
+            batch["request_counts"] = counts()
+            self._save(batch, owner)
+            return False
+
+        rows = prepare_rows(
+            (row for row in iter_rows(location) if row.custom_id not in done),
+            batch_id=batch_id,
+            served_model_names=[self.settings.model],
+        )
+        journal = open_submitted(self.client.sink, batch_id, self.work_dir / f"{batch_id}.submitted")
+        runner = PoolRunner(
+            self.client,
+            output,
+            progress,
+            journal,
+            default_max_tokens=self.settings.max_model_len or DEFAULT_POOL_MAX_TOKENS,
+            should_stop=should_stop,
+        )
+        output.open()
+        try:
+            runner.run(rows)
+        finally:
+            output.close()
+            progress.close()
+        batch["request_counts"] = counts()
+        if runner.is_stopped:
+            # Cancel (or expiry): finished rows stay in the output; the rest are cancelled.
+            for job_id in runner.pending_ids():
+                self.client.cancel(job_id)
+            final = BatchStatus.CANCELLED if stop_reason[0] is BatchStatus.CANCELLING else BatchStatus.EXPIRED
+        else:
+            final = BatchStatus.COMPLETED
+        set_status(batch, BatchStatus.FINALIZING)
+        self._save(batch, owner)
+        batch["output_file_id"] = self._publish(output_file.path, owner)
+        batch["error_file_id"] = self._publish(errors_file.path, owner)
+        self._finish(batch, owner, final)
+        output_file.path.unlink(missing_ok=True)
+        errors_file.path.unlink(missing_ok=True)
+
+    def _publish(self, path: Path, owner: str) -> str | None:
+        """The staging file as a `batch_output` file of the owner; None when it holds no line."""
+        if not path.exists() or path.stat().st_size == 0:
+            return None
+        file_id = new_id("file")
+        self.files.put_path(file_id, path)
+        obj = file_object(
+            file_id, path.name, "batch_output", path.stat().st_size, self.settings.file_expiry_s
+        )
+        self.records.create(FILE_KIND, file_id, owner, obj["created_at"], {"owner": owner, "file": obj})
+        return file_id
+
+
+def _line_of(problem: str) -> int | None:
+    head = problem.split(":", 1)[0]
+    if head.startswith("line "):
+        try:
+            return int(head.removeprefix("line "))
+        except ValueError:
+            return None
+    return None
