@@ -1,7 +1,8 @@
 """Jobs and results: the JSON that producers put on a queue and that consumers read back.
 
 Validation lives here (pydantic) so that every source decodes a message the same way. Sampling
-parameters are validated by the engine's own SamplingParams, so the rules live in one place.
+parameters are validated by the engine's own SamplingParams, so the rules live in one place. The
+result models are defined in job_results.py and importable from here too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import types
 import typing
 import uuid
-from enum import Enum
 from typing import Any, Literal
 
 from pydantic import (
@@ -25,8 +25,53 @@ from pydantic import (
     model_validator,
 )
 
-from qworker.engine.outputs import CompletionOutput, Logprob, LogprobsDict
 from qworker.engine.sampling_params import SamplingParams
+from qworker.worker.job_results import (
+    CompletionResult,
+    JobError,
+    JobResult,
+    JobStatus,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    completion_result,
+    logprobs_dict,
+    token_logprobs,
+)
+from qworker.worker.text import is_utf8_text
+
+# The result side is defined in job_results.py and importable from here too.
+__all__ = [
+    "MAX_JOB_BYTES",
+    "MAX_JOB_ID_CHARS",
+    "MAX_METADATA_DEPTH",
+    "MAX_PRIORITY",
+    "MAX_PROMPT_CHARS",
+    "MIN_PRIORITY",
+    "ChatMessage",
+    "ChatRole",
+    "CompletionResult",
+    "Job",
+    "JobDecodeError",
+    "JobError",
+    "JobResult",
+    "JobStatus",
+    "Timings",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+    "completion_result",
+    "decode_job",
+    "derived_job_id",
+    "derived_seed",
+    "encode_job",
+    "format_validation_error",
+    "job_id_problem",
+    "logprobs_dict",
+    "resolve_job_id",
+    "token_logprobs",
+]
 
 # A body past this size is failed before it is parsed: parsing and tokenizing megabytes would
 # stall every running job for seconds, and no model here has a context anywhere near it.
@@ -44,13 +89,6 @@ MAX_PRIORITY = 2**63 - 1
 # Namespace for ids derived from a message's queue identity when the producer gave none, so
 # that a redelivered message maps to the same job id (and so to the same single result).
 _JOB_ID_NAMESPACE = uuid.UUID("6f1b2c64-8d7e-4c55-9a0e-2f4a3b1c9d10")
-
-
-class JobStatus(str, Enum):
-    COMPLETED = "completed"
-    FAILED = "failed"
-    TIMEOUT = "timeout"
-    CANCELLED = "cancelled"
 
 
 # OpenAI's chat roles.
@@ -163,128 +201,6 @@ class Job(BaseModel):
         return self
 
 
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class Timings(BaseModel):
-    """Wall-clock times (Unix seconds). A stage the job never reached stays None."""
-
-    enqueued_at: float | None = None
-    started_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-
-
-class JobError(BaseModel):
-    type: str
-    message: str
-
-    @field_validator("type", "message")
-    @classmethod
-    def _storable(cls, text: str) -> str:
-        # A message may quote the input (a field name, a value), which may hold a lone surrogate:
-        # escaped here, so that the result can always be written as UTF-8 JSON.
-        return text if is_utf8_text(text) else text.encode("utf-8", "backslashreplace").decode()
-
-
-class TopLogprob(BaseModel):
-    """One token at one position: its id, text, raw logprob (before temperature and any cut) and
-    rank in the model's distribution (1 = most likely)."""
-
-    token_id: int
-    token: str | None = None
-    logprob: float
-    rank: int | None = None
-
-
-class TokenLogprob(TopLogprob):
-    """The token taken at one position (sampled, or the next prompt token) and the top-k
-    alternatives there, most likely first."""
-
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class CompletionResult(BaseModel):
-    """One of the n completions of a job (`params.n`)."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
-def token_logprobs(position: LogprobsDict, num_top: int) -> TokenLogprob:
-    """The engine's {token id: Logprob} at one position (the taken token first, then the
-    `num_top` alternatives) as JSON."""
-    token_id, chosen = next(iter(position.items()))
-    ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
-    return TokenLogprob(
-        token_id=token_id,
-        token=chosen.decoded_token,
-        logprob=chosen.logprob,
-        rank=chosen.rank,
-        top_logprobs=[
-            TopLogprob(token_id=t, token=lp.decoded_token, logprob=lp.logprob, rank=lp.rank)
-            for t, lp in ranked[:num_top]
-            if (lp.rank or 0) <= num_top
-        ],
-    )
-
-
-def logprobs_dict(position: TokenLogprob) -> LogprobsDict:
-    """Back to the engine's shape: the taken token first, then the alternatives."""
-    result: LogprobsDict = {position.token_id: Logprob(position.logprob, position.rank, position.token)}
-    for top in position.top_logprobs:
-        result.setdefault(top.token_id, Logprob(top.logprob, top.rank, top.token))
-    return result
-
-
-def completion_result(
-    completion: CompletionOutput, finish_reason: str | None, num_top: int
-) -> CompletionResult:
-    return CompletionResult(
-        index=completion.index,
-        text=completion.text,
-        token_ids=list(completion.token_ids),
-        finish_reason=finish_reason,
-        logprobs=(
-            [token_logprobs(p, num_top) for p in completion.logprobs]
-            if completion.logprobs is not None
-            else None
-        ),
-    )
-
-
-class JobResult(BaseModel):
-    """The one stored outcome of a job.
-
-    `text`, `token_ids`, `finish_reason` and `logprobs` are completion 0's; a job with
-    `params.n > 1` also lists every completion in `outputs`. `prompt_logprobs` has one entry per
-    prompt token (None for the first), and `prompt_token_ids` the tokens they score, when
-    `params.prompt_logprobs` is set.
-    """
-
-    id: str
-    status: JobStatus
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    # Set with prompt_logprobs: the tokens they score (the first has no logprob).
-    prompt_token_ids: list[int] | None = None
-    outputs: list[CompletionResult] | None = None
-    usage: Usage = Field(default_factory=Usage)
-    timings: Timings = Field(default_factory=Timings)
-    error: JobError | None = None
-    attempts: int = 1
-    worker: str | None = None
-    metadata: dict[str, Any] | None = None
-
-
 class JobDecodeError(Exception):
     """A message that is not a valid job. `error_type` goes into the failed result."""
 
@@ -309,16 +225,6 @@ def _json_text_problem(value: Any, max_depth: int) -> str | None:
             children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
     return None
-
-
-def is_utf8_text(text: str) -> bool:
-    """True when `text` encodes to UTF-8: no lone surrogates (which JSON escapes can produce, and
-    which no store, key or log line can hold)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def job_id_problem(job_id: str) -> str | None:

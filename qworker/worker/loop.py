@@ -37,6 +37,7 @@ from qworker.worker.run_beside import run_beside
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.stats import WorkerStats
 from qworker.worker.take import Taker
+from qworker.worker.timers import Timers
 
 # WorkerStats and run_beside have their own modules; callers import them from here too.
 __all__ = ["Worker", "WorkerStats", "run_beside"]
@@ -107,11 +108,13 @@ class Worker:
         # Seconds per engine step, smoothed: estimates whether a job can finish during a drain.
         self._step_seconds = 0.05
         extend_every = self.settings.lease_extend_interval_s or source.lease_timeout_s / 3
-        self._timers = {
-            "extend": (extend_every, 0.0),
-            "cancel": (self.settings.cancel_check_interval_s, 0.0),
-            "stats": (self.settings.stats_interval_s, 0.0),
-        }
+        self._timers = Timers(
+            {
+                "extend": extend_every,
+                "cancel": self.settings.cancel_check_interval_s,
+                "stats": self.settings.stats_interval_s,
+            }
+        )
 
     @property
     def sink(self) -> ResultSink:
@@ -290,14 +293,6 @@ class Worker:
 
     # -- housekeeping ------------------------------------------------------------------------
 
-    def _due(self, timer: str) -> bool:
-        interval, last = self._timers[timer]
-        now = time.monotonic()
-        if now - last < interval:
-            return False
-        self._timers[timer] = (interval, now)
-        return True
-
     def _housekeeping(self) -> None:
         now = time.time()
         for held in [h for h in self.held if h.deadline is not None and now >= h.deadline]:
@@ -306,7 +301,7 @@ class Worker:
             self.finish.end_dropped(self.held.drop(held.job.id), JobStatus.TIMEOUT, error)
         if not self.broker.may_try():
             return
-        if self.held and self._due("cancel"):
+        if self.held and self._timers.due("cancel"):
             held_ids = self.held.ids()
             cancelled = self.broker.fetch(
                 "reading cancel flags",
@@ -316,7 +311,7 @@ class Worker:
                 return
             for job_id in cancelled:
                 self.finish.end_dropped(self.held.drop(job_id), JobStatus.CANCELLED, None)
-        if self.held and self._due("extend"):
+        if self.held and self._timers.due("extend"):
             leases = leases_of(self.held)
             lost_leases = self.broker.fetch("extending leases", lambda: self.source.extend(leases))
             if lost_leases is None:
@@ -328,19 +323,15 @@ class Worker:
                 self.held.drop(held.job.id)
                 self.stats.num_leases_lost += 1
                 self.metrics.observe_lease_lost()
-        if self._due("stats"):
+        if self._timers.due("stats"):
             self._write_stats(self.admission_stats())
 
     def _write_stats(self, admission: AdmissionStats) -> None:
         logger.debug(
             "worker %s: %d held (%d not started), %d free blocks, %d reserved, %d committed",
-            self.name,
-            admission.num_jobs_held,
-            admission.num_jobs_not_started,
-            admission.num_free_blocks,
-            admission.num_reserved_blocks,
-            admission.num_committed_blocks,
-        )
+            self.name, admission.num_jobs_held, admission.num_jobs_not_started, admission.num_free_blocks,
+            admission.num_reserved_blocks, admission.num_committed_blocks,
+        )  # fmt: skip
         self.stats.num_broker_outages = self.outage.num_outages
         self.stats.num_deltas_dropped = self.outbox.num_deltas_dropped
         self.broker.make("writing worker stats", lambda: self.sink.write_worker_stats(self.name, self.stats))
@@ -363,8 +354,7 @@ class Worker:
         self.stats.num_broker_outages = self.outage.num_outages
         # Check the leases now: a peer may have reclaimed a job while the broker was away, or
         # the broker restarted without the stream.
-        interval, _ = self._timers["extend"]
-        self._timers["extend"] = (interval, 0.0)
+        self._timers.make_due("extend")
 
     def _give_up(self, reason: str) -> None:
         """The outage lasted the limit: free the engine, try once to release the held jobs (their
@@ -386,12 +376,8 @@ class Worker:
     def _begin_drain(self) -> None:
         self._drain_deadline = time.monotonic() + self.settings.drain_grace_s
         self.health.set_draining()
-        logger.info(
-            "worker %s draining: %d jobs held, grace %.1fs",
-            self.name,
-            len(self.held),
-            self.settings.drain_grace_s,
-        )
+        grace_s = self.settings.drain_grace_s
+        logger.info("worker %s draining: %d jobs held, grace %.1fs", self.name, len(self.held), grace_s)
 
     def _drain_tick(self) -> None:
         """Release every held job that cannot finish before the grace period ends."""

@@ -18,12 +18,18 @@ from typing import Any
 import pytest
 
 from qworker.config import EngineConfig
+from qworker.engine.sampling_params import SamplingParams
+from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.worker import intake
 from qworker.worker.backends.memory.queue import Journal, MemoryQueue, MemorySource
 from qworker.worker.backends.memory.results import MemoryResultSink
+from qworker.worker.backends.source import Lease
 from qworker.worker.fake_engine import FakeEngine
-from qworker.worker.jobs import JobResult, JobStatus
+from qworker.worker.held import HeldJob, HeldJobs, leases_of
+from qworker.worker.jobs import Job, JobResult, JobStatus
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
+from qworker.worker.stats import RESULT_COUNTERS, WorkerStats
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -377,3 +383,140 @@ def test_drain_finishes_what_can_finish_and_releases_what_has_not_started():
     assert (stats.num_completed, stats.num_released) == (1, 1)
     assert h.events("b") == ["release"]
     assert h.queue.num_ready == 1
+
+
+# -- the parts the loop is made of: intake (pure), the held set, the status counters ----------
+
+
+@dataclass
+class Facts:
+    """IntakeFacts with fixed answers, recording which were asked."""
+
+    held: set[str] = field(default_factory=set)
+    pending: set[str] = field(default_factory=set)
+    done: set[str] = field(default_factory=set)
+    cancelled: set[str] = field(default_factory=set)
+    last_errors: dict[str, str] = field(default_factory=dict)
+    asked: list[str] = field(default_factory=list)
+
+    def is_held(self, job_id: str) -> bool:
+        self.asked.append("is_held")
+        return job_id in self.held
+
+    def is_result_pending(self, job_id: str) -> bool:
+        self.asked.append("is_result_pending")
+        return job_id in self.pending
+
+    def has_result(self, job_id: str) -> bool:
+        self.asked.append("has_result")
+        return job_id in self.done
+
+    def last_error(self, job_id: str) -> str | None:
+        self.asked.append("last_error")
+        return self.last_errors.get(job_id)
+
+    def is_cancelled(self, job_id: str) -> bool:
+        self.asked.append("is_cancelled")
+        return job_id in self.cancelled
+
+
+def lease(body: dict[str, Any] | bytes = b"", **fields: Any) -> Lease:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    defaults: dict[str, Any] = dict(message_id="m1", job_id="j", delivery_count=1, enqueued_at=None)
+    return Lease(body=raw, **{**defaults, **fields})
+
+
+def decide(the_lease: Lease, facts: Facts, job_id: str | None = "j", now: float = 1000.0) -> intake.Outcome:
+    return intake.intake(the_lease, job_id, facts, max_attempts=3, now=now)
+
+
+def test_intake_outcomes_in_order():
+    good = job()
+    assert isinstance(decide(lease(good), Facts(), job_id=None), intake.DeadLetter)
+    unreadable = decide(lease(b"\xff", rejection="the id field is not UTF-8"), Facts(), job_id=None)
+    assert unreadable == intake.DeadLetter(unreadable.lease, "Unreadable", "the id field is not UTF-8", None)
+    # Held, pending and done come before anything about the message itself.
+    bad = lease(b"not json", rejection="pickle", delivery_count=9)
+    assert decide(bad, Facts(held={"j"})) == intake.JoinHeld("j", bad)
+    assert decide(bad, Facts(pending={"j"})) == intake.AckDone("j", bad, is_result_pending=True)
+    assert decide(bad, Facts(done={"j"})) == intake.AckDone("j", bad, is_result_pending=False)
+    assert decide(bad, Facts()) == intake.DeadLetter(bad, "Rejected", "pickle", "j")
+    # Past max_attempts: dead-lettered before its body is read, with the last error named.
+    worn = lease(b"not json", delivery_count=4)
+    outcome = decide(worn, Facts(last_errors={"j": "worker w1 was killed"}))
+    assert isinstance(outcome, intake.DeadLetter) and outcome.kind == "DeadLettered"
+    assert outcome.reason == "delivered 4 times; max_attempts is 3; last error: worker w1 was killed"
+    assert decide(lease(b"not json"), Facts()).error.type == "InvalidJSON"  # type: ignore[union-attr]
+    expired = decide(lease({**good, "ttl_s": 5}, enqueued_at=990.0), Facts(), now=1000.0)
+    assert isinstance(expired, intake.Fail) and expired.error.type == "Expired"
+    assert "waited 10.0s" in expired.error.message
+    # A redelivery is not expired by ttl_s (it was taken in time once).
+    assert isinstance(
+        decide(lease({**good, "ttl_s": 5}, enqueued_at=990.0, delivery_count=2), Facts()), intake.Run
+    )
+    past = decide(lease(good, expires_at=999.0), Facts())
+    assert isinstance(past, intake.Cancel) and past.error is not None and past.error.type == "Expired"
+    assert decide(lease(good), Facts(cancelled={"j"})) == intake.Cancel(lease(good), "j", past.job, None)
+    run = decide(lease(good), Facts())
+    assert isinstance(run, intake.Run) and run.job.params.max_tokens == 5
+
+
+def test_intake_asks_only_what_it_needs():
+    facts = Facts(held={"j"})
+    decide(lease(job()), facts)
+    assert facts.asked == ["is_held"]
+    facts = Facts()
+    decide(lease(b"not json"), facts)
+    assert facts.asked == ["is_held", "is_result_pending", "has_result"]  # no cancel read for a bad body
+    facts = Facts()
+    decide(lease(job(), delivery_count=4), facts)
+    assert facts.asked[-1] == "last_error"
+    facts = Facts()
+    decide(lease(job()), facts)
+    assert facts.asked == ["is_held", "is_result_pending", "has_result", "is_cancelled"]
+
+
+def test_start_failures_and_unforeseen_errors():
+    run = decide(lease(job()), Facts())
+    assert isinstance(run, intake.Run)
+    too_long = intake.start_failure(run, PromptTooLongError("prompt of 9 tokens; the context is 8"))
+    assert isinstance(too_long, intake.DeadLetter) and too_long.job_id == "j"
+    invalid = intake.start_failure(run, InvalidRequestError("no tokenizer"))
+    assert isinstance(invalid, intake.Fail) and invalid.error.type == "InvalidRequestError"
+    template = intake.start_failure(run, ValueError("bad template"))
+    assert (
+        isinstance(template, intake.Fail)
+        and "cannot prepare the prompt: bad template" in template.error.message
+    )
+    oops = intake.unforeseen_failure(run.lease, None, KeyError("x"))
+    assert (oops.kind, oops.job_id) == ("InternalError", None) and "KeyError" in oops.reason
+
+
+def test_dropping_a_held_job_aborts_it_and_returns_every_lease():
+    engine = FakeEngine()
+    held = HeldJobs(engine)
+    for job_id in ("a", "b"):
+        engine.add_request(job_id, {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4))
+        held.add(HeldJob(Job(id=job_id, prompt="x"), lease(message_id=f"m-{job_id}", job_id=job_id), 3, None))
+    held.join("a", lease(message_id="m-a", job_id="a", delivery_count=2))  # our own entry, renewed
+    held.join("a", lease(message_id="dup", job_id="a"))  # a producer's duplicate
+    dropped = held.drop("a")
+    assert engine.aborted == ["a"] and "a" not in held
+    assert [le.message_id for le in dropped.leases] == ["m-a", "dup"]
+    assert dropped.leases[0].delivery_count == 2 and dropped.output is not None
+
+    def failing_abort(request_id: str) -> None:
+        raise RuntimeError("engine gone")
+
+    engine.abort = failing_abort  # type: ignore[method-assign]
+    [last] = held.drop_all()
+    assert (last.held.job.id, last.output, len(held)) == ("b", None, 0)  # the leases come back anyway
+    assert leases_of([last]) == [last.held.lease]
+
+
+def test_every_result_status_has_a_counter():
+    stats = WorkerStats()
+    for status in JobStatus:
+        stats.count_result(status)
+    assert (stats.num_completed, stats.num_failed, stats.num_timeout, stats.num_cancelled) == (1, 1, 1, 1)
+    assert set(RESULT_COUNTERS) == set(JobStatus)
