@@ -255,6 +255,11 @@ class ModelRunner:
             prompt_rows.append((item.request_id, request.sampling_params.prompt_logprobs, last - first))
 
         device = self.device
+        # Longrope picks its factors by each request's whole length (see AttentionMetadata).
+        request_lens = None
+        if requests is not None and self.model.has_long_rope:
+            lens = [requests[item.request_id].num_tokens for item in items]
+            request_lens = torch.tensor(lens, dtype=torch.int32).to(device)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
             block_tables=torch.from_numpy(block_tables).to(device),
@@ -267,6 +272,7 @@ class ModelRunner:
             block_size=self.block_size,
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
+            request_lens=request_lens,
         )
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(device),

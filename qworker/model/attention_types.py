@@ -37,6 +37,10 @@ class AttentionMetadata:
     # backend picks its kernel (decode or varlen) and its split count from them without a sync.
     max_query_len: int
     max_seq_len: int
+    # [num_seqs] int32: each sequence's whole length known at this step (prompt, and output so
+    # far), past seq_lens for a prefill chunk short of the prompt's end. Longrope picks its
+    # factors from it; None reads seq_lens (the runner fills it only for such models).
+    request_lens: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

@@ -123,6 +123,12 @@ class ModelConfig:
     def has_sliding_window(self) -> bool:
         return any(layer.sliding_window is not None for layer in self.layers)
 
+    @property
+    def is_prefix_cacheable(self) -> bool:
+        """False with longrope: a block's KV then depends on whether its sequence passed the
+        original context (long factors), not on its tokens alone, so blocks cannot be shared."""
+        return all(table.long_inv_freq is None for table in self.rope_tables)
+
     @classmethod
     def from_hf(cls, hf_config: object) -> ModelConfig:
         """Read a Hugging Face config through its family's module (qworker.model.registry)."""

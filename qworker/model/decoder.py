@@ -129,11 +129,10 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
         token_seq_lens = None
         if self.has_long_rope:
-            # [T]: each token's sequence length in this step (output_size: no device sync).
+            # [T]: the whole length of each token's sequence (output_size: no device sync).
             query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-            token_seq_lens = torch.repeat_interleave(
-                meta.seq_lens, query_lens, output_size=input_ids.shape[0]
-            )
+            lens = meta.request_lens if meta.request_lens is not None else meta.seq_lens
+            token_seq_lens = torch.repeat_interleave(lens, query_lens, output_size=input_ids.shape[0])
         if self.config.norm_placement is NormPlacement.SANDWICH:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 rotary = self.rotary[layer.self_attn.rope_table]

@@ -12,6 +12,7 @@ transformers' greedy `generate` tokens.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -29,93 +30,17 @@ from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import CheckpointError, UnsupportedModelError
 from qworker.model.loader import SAFETENSORS_INDEX, load_hf_config, load_state_dict
 from qworker.model.registry import SUPPORTED_MODEL_TYPES
+from qworker.model.tiny_families import FAMILIES, WINDOW, randomize, tiny_family_config, tiny_family_model
 from tests.conftest import run_to_completion
 
 pytestmark = pytest.mark.timeout(300)
 
 MAX_TOKENS = 8
-WINDOW = 8
 # Lengths from shorter than the window to five windows; two share a 20-token prefix (the prefix
 # cache then hits in the second round).
 PROMPT_LENS = (3, 13, 27, 40)
 
-COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
-
-# model_type -> transformers config kwargs. Comments name what each one exercises.
-FAMILIES: dict[str, dict[str, Any]] = {
-    # q/k norms; head_dim 48, GQA 4; a window on layers 1 and 2 (max_window_layers=1).
-    "qwen3": dict(
-        hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=48, use_sliding_window=True, sliding_window=WINDOW,
-        max_window_layers=1, tie_word_embeddings=True,
-    ),
-    # head_dim 40 (fallback path), GQA 1; MoE on layers 0 and 2, a dense MLP on layer 1.
-    "qwen3_moe": dict(
-        hidden_size=80, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=40, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
-    ),
-    # Every layer MoE, a window of 12 on every layer; head_dim 48, GQA 1.
-    "mixtral": dict(
-        hidden_size=96, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=48, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=12,
-    ),
-    # Soft-capping, query_pre_attn_scalar, sandwich norms, GeGLU, windowed and global layers.
-    "gemma2": dict(
-        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=48, query_pre_attn_scalar=32, sliding_window=WINDOW,
-        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    ),
-    # q/k norms, local and global RoPE bases; head_dim 80, GQA 1.
-    "gemma3_text": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=80, query_pre_attn_scalar=64, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-        },
-        tie_word_embeddings=True,
-    ),
-    # Fused qkv and gate_up in the checkpoint; longrope past 32 positions; partial rotary 3/4.
-    "phi3": dict(
-        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, partial_rotary_factor=0.75, original_max_position_embeddings=32,
-        rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10_000.0,
-            "short_factor": [1.0 + 0.05 * i for i in range(18)],
-            "long_factor": [1.0 + 4.0 * i for i in range(18)],
-            "original_max_position_embeddings": 32,
-        },
-    ),
-    # A window on every layer (head_dim 16).
-    "mistral": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=WINDOW,
-    ),
-    # q/k/v biases; a window on layers 1 and 2; head_dim 48, GQA 4.
-    "qwen2": dict(
-        hidden_size=192, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-    ),
-    "llama": dict(
-        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, attention_bias=True,
-    ),
-}  # fmt: skip
 SHARDED = "qwen3_moe"
-# Sharper attention where a feature only shows with large scores (Gemma 2's soft-cap).
-QK_SCALE = {"gemma2": 3.0}
 
 # The parity tests' scheduler configurations; prefix caching is on in all of them (the default),
 # and "prefix_cache_hits" runs the prompts twice so that the second round reads cached blocks.
@@ -134,31 +59,6 @@ def prompts() -> list[list[int]]:
     ids = [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
     ids.append(ids[2][:20] + [rng.randrange(3, 256) for _ in range(9)])
     return ids
-
-
-def hf_config_for(model_type: str) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
-
-
-def build_hf_model(model_type: str) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    config = hf_config_for(model_type)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Random init gives near-uniform logits, where greedy picks are near-ties; widened,
-            # they are not. Gemma's norm weights are offsets from 1: give them some spread too.
-            if p.dim() > 1:
-                p.mul_(3.0)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(QK_SCALE.get(model_type, 1.0))
-            elif "norm" in name:
-                p.normal_(0.0, 0.3)
-    return model
 
 
 def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
@@ -180,7 +80,7 @@ class Family:
     def __init__(self, model_type: str, root: Path) -> None:
         self.model_type = model_type
         self.path = root / model_type
-        model = build_hf_model(model_type)
+        model = tiny_family_model(model_type)
         save_args = {"max_shard_size": "100KB"} if model_type == SHARDED else {}
         model.save_pretrained(self.path, **save_args)
         self.expected = [hf_greedy(model, p) for p in prompts()]
@@ -203,7 +103,8 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
 
 
 def greedy(engine: LLMEngine, prompt_list: list[list[int]], tag: str) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    # min_tokens masks EOS as transformers' min_new_tokens does.
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0)
     ids = [
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(prompt_list)
     ]
@@ -229,7 +130,41 @@ def test_greedy_tokens_equal_transformers(
     if configuration == "prefix_cache_hits":
         before = engine.kv_stats().num_prefix_cache_hits
         assert greedy(engine, prompts(), "second") == family.expected
-        assert engine.kv_stats().num_prefix_cache_hits > before
+        if engine.model_config.is_prefix_cacheable:
+            assert engine.kv_stats().num_prefix_cache_hits > before
+        else:  # longrope: blocks are not shared (see ModelConfig.is_prefix_cacheable)
+            assert engine.kv_stats().num_prefix_cache_queries == 0
+
+
+@pytest.mark.parametrize(
+    ("model_type", "change"),
+    [
+        ("qwen3", {"sliding_window": WINDOW + 1}),
+        ("mixtral", {"sliding_window": 13}),
+        ("gemma2", {"sliding_window": WINDOW - 1}),
+        ("gemma2", {"attn_logit_softcapping": None}),
+        ("gemma3_text", {"sliding_window": WINDOW + 1}),
+        ("mistral", {"sliding_window": WINDOW + 1}),
+        ("qwen2", {"sliding_window": WINDOW - 1}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_the_parity_prompts_would_catch_a_window_off_by_one_or_a_missing_cap(
+    families: dict[str, Family], model_type: str, change: dict[str, Any]
+) -> None:
+    """A window one token wider or narrower (or no soft-cap) changes the tokens: the parity
+    checks above see the window's edge, not just that some window is there."""
+    family = families[model_type]
+    hf_config = copy.deepcopy(family.hf_config)
+    for key, value in change.items():
+        setattr(hf_config, key, value)
+    engine = LLMEngine(
+        EngineConfig(model="changed", dtype="float32", device="cpu", num_kv_blocks=128, block_size=4),
+        hf_config=hf_config,
+        state_dict=family.state_dict,
+        tokenizer=None,
+    )
+    assert greedy(engine, prompts(), "changed") != family.expected
 
 
 def test_the_sharded_checkpoint_is_read_through_its_index(families: dict[str, Family]) -> None:
@@ -248,7 +183,7 @@ def test_longrope_tables_match_transformers_on_both_sides_of_the_original_contex
     families: dict[str, Family],
 ) -> None:
     """Greedy tokens of a tiny random model barely move with RoPE's factors, so the rotation
-    itself is compared: transformers' short factors up to 32 positions, long ones past them."""
+    itself is compared: transformers' short factors up to 24 positions, long ones past them."""
     from transformers import AutoModelForCausalLM
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
@@ -258,7 +193,7 @@ def test_longrope_tables_match_transformers_on_both_sides_of_the_original_contex
     hf_rotary = AutoModelForCausalLM.from_config(config).model.rotary_emb
     ours = RotaryEmbedding(_model_config("phi3", config).rope_tables[0], 48, 256)
     torch.manual_seed(1)
-    for seq_len in (20, 32, 33, 40):
+    for seq_len in (20, 24, 25, 40):
         q, k = torch.randn(seq_len, 2, 48), torch.randn(seq_len, 2, 48)
         positions = torch.arange(seq_len)
         cos, sin = hf_rotary(q, positions[None])
@@ -281,18 +216,14 @@ def _model_config(model_type: str, hf_config: Any) -> Any:
 def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path: Path) -> None:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = hf_config_for("gemma3_text")
+    text = tiny_family_config("gemma3_text")
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         image_size=28, patch_size=14,
     )  # fmt: skip
     config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4)
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(3.0)
+    model = randomize(Gemma3ForConditionalGeneration(config).eval(), "gemma3")
     model.save_pretrained(tmp_path)
     expected = [hf_greedy(model, p) for p in prompts()]
     hf_config = load_hf_config(tmp_path)
