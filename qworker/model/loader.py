@@ -54,11 +54,17 @@ def _smollm2_gguf_path() -> Path:
 
 
 def resolve_model(model: str) -> ResolvedModel:
-    """Turn `model` (an alias, a Hugging Face directory or a .gguf file) into a local HF directory."""
+    """Turn `model` (an alias, a Hugging Face directory, a .gguf file or an s3:// prefix holding a
+    Hugging Face directory) into a local HF directory."""
     if not isinstance(model, str) or not model:
         raise UnknownModelError(f"model must be a non-empty string, got {model!r}")
     if model.lower() in SMOLLM2_ALIASES:
         return ResolvedModel("smollm2", _gguf_to_hf_dir(_smollm2_gguf_path()))
+    if model.startswith("s3://"):
+        # Imported here: boto3 loads only when a model is named by an s3:// URL.
+        from qworker.model_store import fetch_model, remote_model_name
+
+        return ResolvedModel(remote_model_name(model), fetch_model(model, cache_root() / "models"))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(path.stem, _gguf_to_hf_dir(path))
@@ -67,8 +73,8 @@ def resolve_model(model: str) -> ResolvedModel:
             raise UnknownModelError(f"{path} is a directory without config.json; not a Hugging Face model")
         return ResolvedModel(path.name, path)
     raise UnknownModelError(
-        f"unknown model {model!r}: use 'smollm2', a local Hugging Face directory or a .gguf file "
-        "(nothing is downloaded from a model hub)"
+        f"unknown model {model!r}: use 'smollm2', a local Hugging Face directory, a .gguf file "
+        "or s3://bucket/prefix/ (nothing is downloaded from a model hub)"
     )
 
 
