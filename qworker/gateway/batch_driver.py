@@ -130,6 +130,9 @@ class BatchDriver:
                 self.records.deactivate(BATCH_KIND, batch_id)
                 return
             batch, owner = loaded
+            if batch["status"] == BatchStatus.CANCELLING.value and batch["in_progress_at"] is None:
+                self._finish(batch, owner, BatchStatus.CANCELLED)  # cancelled before it was validated
+                return
             if batch["status"] == BatchStatus.VALIDATING.value and not self._validate(batch, owner):
                 return
             self._run(batch, owner)
@@ -279,7 +282,7 @@ class BatchDriver:
         obj = file_object(
             file_id, path.name, "batch_output", path.stat().st_size, self.settings.file_expiry_s
         )
-        self.records.create(FILE_KIND, file_id, owner, obj["created_at"], {"owner": owner, "file": obj})
+        self.records.create(FILE_KIND, file_id, owner, {"owner": owner, "file": obj})
         return file_id
 
 

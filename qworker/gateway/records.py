@@ -6,7 +6,8 @@ killed replica loses nothing and every replica sees the same state.
 Key layout (prefix P = the result store's prefix + ":gw"):
 
     P:obj:{kind}:{id}           JSON of one object (file, batch, job), kept `ttl_s`
-    P:list:{kind}:{owner}       sorted set of ids by creation time: what `GET /v1/{kind}s` pages
+    P:list:{kind}:{owner}       sorted set of ids in creation order: what `GET /v1/{kind}s` pages
+    P:order                     the counter that gives that order
     P:active:{kind}             set of ids a background service still has to drive
     P:idem:{owner}:{scope}:{key}   idempotency record (idempotency.py)
     P:lease:{kind}:{id}         lease token of the replica driving it (leases.py)
@@ -75,12 +76,14 @@ class Records:
         pipe.zrem(self.key("list", kind, owner), object_id)
         pipe.execute()
 
-    def create(self, kind: str, object_id: str, owner: str, created_at: int, data: dict[str, Any]) -> None:
-        """Store a new object and list it under its owner."""
+    def create(self, kind: str, object_id: str, owner: str, data: dict[str, Any]) -> None:
+        """Store a new object and list it under its owner, after every object created before it."""
+        # A counter, not the creation time: objects created in the same second keep their order.
+        order = self.redis.incr(self.key("order"))
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(self.key("obj", kind, object_id), json.dumps(data), ex=self.ttl_s)
         listing = self.key("list", kind, owner)
-        pipe.zadd(listing, {object_id: created_at})
+        pipe.zadd(listing, {object_id: order})
         pipe.expire(listing, self.ttl_s)
         pipe.execute()
 

@@ -69,7 +69,7 @@ def _create(records: Records, owner: str, body: CreateBatch) -> dict[str, Any]:
     batch = batch_object(
         new_id("batch"), body.endpoint, body.input_file_id, body.completion_window, body.metadata
     )
-    records.create(BATCH_KIND, batch["id"], owner, batch["created_at"], {"owner": owner, "batch": batch})
+    records.create(BATCH_KIND, batch["id"], owner, {"owner": owner, "batch": batch})
     records.activate(BATCH_KIND, batch["id"])
     return batch
 

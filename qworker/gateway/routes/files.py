@@ -53,9 +53,7 @@ async def create_file(request: Request) -> dict[str, Any]:
     obj = file_object(
         file_id, upload.filename or "upload.jsonl", purpose, upload.num_bytes, api.settings.file_expiry_s
     )
-    await anyio.to_thread.run_sync(
-        records.create, FILE_KIND, file_id, owner, obj["created_at"], {"owner": owner, "file": obj}
-    )
+    await anyio.to_thread.run_sync(records.create, FILE_KIND, file_id, owner, {"owner": owner, "file": obj})
     return obj
 
 

@@ -1,0 +1,409 @@
+"""OpenAI's Files and Batches API on the gateway, driven by the official openai client, unchanged:
+upload, create, poll, download; the output equals what `qworker batch` writes locally for the same
+rows; cancel mid-run; list pages; a gateway SIGKILLed mid-batch and replaced by another (another
+work directory: nothing local survives) completes the batch with one line per custom_id and no
+row enqueued twice; bad files fail with their line numbers; limits, ownership, idempotency.
+
+One worker (the tiny random model, greedy fp32, one thread, four rows at a time) and one gateway
+process serve the module; the gateway runs as `qworker gateway`, so that it can be SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis as redis_lib
+
+from qworker.batch.format import BatchOutputLine
+from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from tests.gateway.conftest import free_port
+from tests.integration.batch_support import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    LOGPROB_TOLERANCE,
+    MODEL_NAME,
+    batch_row,
+    engine_flags,
+    mixed_rows,
+    run_batch_process,
+    write_batch_model_dir,
+    write_jsonl,
+)
+
+KEY_A = "sk-batch-a-0123456789"
+KEY_B = "sk-batch-b-0123456789"
+ROWS = mixed_rows(200)
+MAX_FILE_BYTES = 256 * 1024
+MAX_FILE_ROWS = 2000
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_batch_model_dir(tmp_path_factory.mktemp("gw-batch-model"))
+
+
+@pytest.fixture(scope="module")
+def pool_url():
+    url = unique_url(redis_base_url(), tag="gw-batch")
+    yield url
+    cleanup(redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url), url)
+
+
+@pytest.fixture(scope="module")
+def local_lines(model_dir, tmp_path_factory):
+    """custom_id -> the line `qworker batch` (local mode, in its own process) writes for ROWS."""
+    folder = tmp_path_factory.mktemp("gw-batch-local")
+    source = write_jsonl(folder / "in.jsonl", ROWS)
+    out = folder / "out.jsonl"
+    done = run_batch_process(
+        ["-i", str(source), "-o", str(out), "--served-model-name", MODEL_NAME, *engine_flags(model_dir)]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {
+        line.custom_id: line
+        for line in map(BatchOutputLine.model_validate_json, out.read_text().splitlines())
+    }
+
+
+@pytest.fixture(scope="module")
+def worker(pool_url, model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("gw-batch-worker") / "w1.log"
+    process = spawn_worker(
+        pool_url,
+        model_dir,
+        "gbw1",
+        "--num-kv-blocks",
+        "512",
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "4",
+        log_path=log,
+    )
+    yield log
+    process.terminate()
+    process.wait(timeout=60)
+
+
+class GatewayProcess:
+    """`qworker gateway` in a subprocess on a fixed port; kill() and start() replace it."""
+
+    def __init__(self, url: str, root: Path) -> None:
+        self.queue_url = url
+        self.root = root
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+        self.num_starts = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        self.num_starts += 1
+        # Each start has its own cache (staging) folder: a replacement on another machine.
+        env = {
+            **os.environ,
+            "QWORKER_API_KEYS": f"{KEY_A},{KEY_B}",
+            "QWORKER_CACHE_DIR": str(self.root / f"cache-{self.num_starts}"),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        log = open(self.root / f"gateway-{self.num_starts}.log", "w")  # noqa: SIM115 - the process owns it
+        args = ["--queue", self.queue_url, "--port", str(self.port), "--model", MODEL_NAME]
+        args += ["--files-url", str(self.root / "files"), "--batch-lease-s", "2"]
+        args += ["--max-file-bytes", str(MAX_FILE_BYTES), "--max-file-rows", str(MAX_FILE_ROWS)]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "qworker.cli", "gateway", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"the gateway did not start:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return (self.root / f"gateway-{self.num_starts}.log").read_text()[-4000:]
+
+    def kill(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(20)
+
+
+@pytest.fixture(scope="module")
+def gateway(pool_url, tmp_path_factory):
+    served = GatewayProcess(pool_url, tmp_path_factory.mktemp("gw-batch-gateway"))
+    served.start()
+    yield served
+    served.stop()
+
+
+def sdk(gateway: GatewayProcess, key: str = KEY_A) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=3, timeout=30)
+
+
+def upload(client: openai.OpenAI, rows: list[Any], name: str = "in.jsonl") -> str:
+    text = "".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
+    return client.files.create(file=(name, io.BytesIO(text.encode())), purpose="batch").id
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 90) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id} still {batch.status}")
+
+
+def output_lines(client: openai.OpenAI, file_id: str | None) -> list[BatchOutputLine]:
+    if file_id is None:
+        return []
+    text = client.files.content(file_id).text
+    return [BatchOutputLine.model_validate_json(line) for line in text.splitlines()]
+
+
+def entries_added(url: str) -> int:
+    parsed = parse_url(url, SOURCE_PARAMS | SINK_PARAMS)
+    redis = redis_lib.Redis.from_url(parsed.connection_url)
+    stream = parsed.params["stream"]
+    return int(redis.xinfo_stream(stream)["entries-added"]) if redis.exists(stream) else 0
+
+
+def comparable(line: BatchOutputLine) -> dict[str, Any]:
+    """The line's response body without what names the run (ids, creation time)."""
+    assert line.response is not None, line
+    body = line.response.model_dump(mode="json")["body"]
+    for name in ("id", "created"):
+        body.pop(name, None)
+    return {"status_code": line.response.status_code, "body": body}
+
+
+def differs_by_rounding(a: Any, b: Any) -> bool:
+    """True when a and b are equal but for floats within LOGPROB_TOLERANCE; False when equal."""
+    if isinstance(a, float) and isinstance(b, float):
+        if abs(a - b) > LOGPROB_TOLERANCE:
+            raise AssertionError(f"{a} vs {b}")
+        return a != b
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys()
+        return any([differs_by_rounding(a[k], b[k]) for k in a])
+    if isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b)
+        return any([differs_by_rounding(x, y) for x, y in zip(a, b, strict=True)])
+    assert a == b
+    return False
+
+
+@pytest.mark.timeout(180)
+def test_openai_client_batches_equal_local_qworker_batch_row_by_row(gateway, worker, local_lines):
+    """200 rows (chat and completions, n=2 and logprobs among them) as two batches, one per
+    endpoint, as OpenAI requires; every output line equals `qworker batch`'s local line for the row."""
+    client = sdk(gateway)
+    chat_rows = [row for row in ROWS if row["url"] == CHAT_URL]
+    completion_rows = [row for row in ROWS if row["url"] == COMPLETIONS_URL]
+    batches = [
+        client.batches.create(input_file_id=upload(client, rows), endpoint=url, completion_window="24h")
+        for rows, url in ((chat_rows, CHAT_URL), (completion_rows, COMPLETIONS_URL))
+    ]
+    assert batches[0].status == "validating" and batches[0].request_counts.total == 0
+    lines: list[BatchOutputLine] = []
+    for batch in batches:
+        done = wait_for(client, batch.id, {"completed", "failed"}, timeout_s=150)
+        assert done.status == "completed", done
+        total = len(chat_rows) if batch.endpoint == CHAT_URL else len(completion_rows)
+        assert done.request_counts.model_dump() == {"total": total, "completed": total, "failed": 0}
+        assert done.in_progress_at and done.finalizing_at and done.completed_at and done.error_file_id is None
+        assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
+        lines += output_lines(client, done.output_file_id)
+    assert sorted(line.custom_id for line in lines) == sorted(local_lines)
+    num_rounding = sum(
+        differs_by_rounding(comparable(line), comparable(local_lines[line.custom_id])) for line in lines
+    )
+    print(
+        f"rows whose logprobs differ from the local run by rounding (< {LOGPROB_TOLERANCE}): {num_rounding}"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
+    client = sdk(gateway)
+    rows = [
+        batch_row(
+            f"long-{i}",
+            COMPLETIONS_URL,
+            {
+                "model": MODEL_NAME,
+                "prompt": f"Tale {i}",
+                "max_tokens": 60,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        for i in range(60)
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, rows), endpoint=COMPLETIONS_URL, completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    done = wait_for(client, batch.id, {"cancelled"})
+    lines = output_lines(client, done.output_file_id)
+    assert 4 <= len(lines) < 60 and done.request_counts.completed == len(lines)
+    assert all(line.response is not None and line.response.status_code == 200 for line in lines)
+    assert len({line.custom_id for line in lines}) == len(lines)
+    assert done.cancelled_at >= done.cancelling_at
+
+
+@pytest.mark.timeout(150)
+def test_a_gateway_sigkilled_mid_batch_is_replaced_and_no_row_runs_twice(gateway, worker, pool_url):
+    client = sdk(gateway)
+    rows = mixed_rows(120, seed=7)
+    rows = [row for row in rows if row["url"] == COMPLETIONS_URL]
+    num_before = entries_added(pool_url)
+    batch = client.batches.create(
+        input_file_id=upload(client, rows), endpoint=COMPLETIONS_URL, completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 10:
+        assert time.monotonic() < deadline, gateway.log_text()
+        time.sleep(0.05)
+    gateway.kill()
+    gateway.start()  # another cache folder: the replacement rebuilds the output from the store
+    done = wait_for(sdk(gateway), batch.id, {"completed", "failed"}, timeout_s=120)
+    assert done.status == "completed", done
+    lines = output_lines(sdk(gateway), done.output_file_id)
+    assert sorted(line.custom_id for line in lines) == sorted(row["custom_id"] for row in rows)
+    assert done.request_counts.completed == len(rows)
+    # Every row was put on the queue once, and none ran to completion twice.
+    assert entries_added(pool_url) - num_before == len(rows)
+    assert "already had a result" not in worker.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_batches_list_pages_and_belong_to_their_key(gateway):
+    client, other = sdk(gateway), sdk(gateway, KEY_B)
+    file_id = upload(client, [batch_row("x", CHAT_URL, {"messages": [{"role": "user", "content": "hi"}]})])
+    created = [
+        client.batches.create(input_file_id=file_id, endpoint=CHAT_URL, completion_window="24h")
+        for _ in range(3)
+    ]
+    for batch in created:
+        client.batches.cancel(batch.id)
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == [created[2].id, created[1].id] and first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == created[0].id
+    # Another key sees none of it.
+    assert all(b.id not in {c.id for c in created} for b in other.batches.list(limit=100).data)
+    assert file_id not in {f.id for f in other.files.list().data}
+    with pytest.raises(openai.NotFoundError):
+        other.batches.retrieve(created[0].id)
+    with pytest.raises(openai.NotFoundError):
+        other.files.content(file_id)
+    with pytest.raises(openai.NotFoundError):
+        other.batches.create(input_file_id=file_id, endpoint=CHAT_URL, completion_window="24h")
+
+
+@pytest.mark.timeout(60)
+def test_bad_files_fail_with_their_line_numbers(gateway):
+    client = sdk(gateway)
+    good = batch_row("a", CHAT_URL, {"messages": [{"role": "user", "content": "hi"}]})
+    cases = {
+        "not jsonl": ([good, "{this is not json"], "line 2: not JSON"),
+        "duplicate": ([good, good], "line 2: custom_id 'a' repeats line 1"),
+        "missing": ([good, {"method": "POST", "url": CHAT_URL, "body": {}}], "line 2: no custom_id"),
+        "endpoint": (
+            [good, batch_row("b", COMPLETIONS_URL, {"prompt": "x"})],
+            "line 2: url '/v1/completions'",
+        ),
+    }
+    batches = {
+        name: client.batches.create(
+            input_file_id=upload(client, rows), endpoint=CHAT_URL, completion_window="24h"
+        )
+        for name, (rows, _) in cases.items()
+    }
+    for name, batch in batches.items():
+        done = wait_for(client, batch.id, {"failed", "completed"}, timeout_s=30)
+        assert done.status == "failed", (name, done)
+        assert done.failed_at and done.output_file_id is None
+        [error] = done.errors.data
+        assert error.line == 2 and error.message.startswith(cases[name][1]), (name, error)
+
+
+@pytest.mark.timeout(60)
+def test_limits_unknown_files_and_idempotency_keys(gateway):
+    client = sdk(gateway)
+    before = {f.id for f in client.files.list().data}
+    stored_before = set(os.listdir(gateway.root / "files"))
+    with pytest.raises(openai.APIStatusError) as too_big:
+        client.files.create(file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE_BYTES + 1))), purpose="batch")
+    assert too_big.value.status_code == 413
+    with pytest.raises(openai.APIStatusError) as too_many:
+        client.files.create(file=("rows.jsonl", io.BytesIO(b"{}\n" * (MAX_FILE_ROWS + 1))), purpose="batch")
+    assert too_many.value.status_code == 413
+    assert {f.id for f in client.files.list().data} == before
+    assert set(os.listdir(gateway.root / "files")) == stored_before, "nothing of a refused upload is stored"
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT_URL, completion_window="24h")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/embeddings", completion_window="24h")
+    file_id = upload(client, [batch_row("x", CHAT_URL, {"messages": [{"role": "user", "content": "hi"}]})])
+    key = {"Idempotency-Key": "retry-1"}
+    first = client.batches.create(
+        input_file_id=file_id, endpoint=CHAT_URL, completion_window="24h", extra_headers=key
+    )
+    again = client.batches.create(
+        input_file_id=file_id, endpoint=CHAT_URL, completion_window="24h", extra_headers=key
+    )
+    assert again.id == first.id
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.batches.create(
+            input_file_id=file_id,
+            endpoint=CHAT_URL,
+            completion_window="24h",
+            metadata={"x": "y"},
+            extra_headers=key,
+        )
+    # The key is scoped to the API key: another key's same Idempotency-Key is a new request.
+    with pytest.raises(openai.NotFoundError):
+        sdk(gateway, KEY_B).batches.create(
+            input_file_id=file_id, endpoint=CHAT_URL, completion_window="24h", extra_headers=key
+        )
+    client.batches.cancel(first.id)
+    assert client.files.retrieve(file_id).bytes > 0
+    client.files.delete(file_id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file_id)
