@@ -5,7 +5,7 @@ by replaying a decode CUDA graph) and samples the next tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -71,6 +71,21 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+def _recompute_past_longrope_switch(
+    item: ScheduledRequest, request: Request, original_len: int
+) -> ScheduledRequest:
+    """A sequence whose prompt fit the original context computed its KV with longrope's short
+    factors; the step that takes it past that context recomputes all of it with the long ones
+    (from position 0, in the blocks it holds), as transformers drops its cache there."""
+    if (
+        request.num_prompt_tokens <= original_len < request.num_tokens
+        and 0 < item.start_position <= original_len
+    ):
+        end = item.start_position + len(item.token_ids)
+        return replace(item, token_ids=request.token_ids[:end], start_position=0)
+    return item
 
 
 class ModelRunner:
@@ -208,8 +223,14 @@ class ModelRunner:
     def prepare_inputs(
         self, plan: SchedulerOutput, requests: Mapping[str, Request] | None = None
     ) -> StepInputs:
+        scheduled = plan.scheduled
+        original_len = self.model.config.longrope_original_len
+        if original_len is not None and requests is not None:
+            scheduled = [
+                _recompute_past_longrope_switch(i, requests[i.request_id], original_len) for i in scheduled
+            ]
         # Decodes (one query token) first: the attention backend runs them as one batch.
-        items = sorted(plan.scheduled, key=lambda item: len(item.token_ids) != 1)
+        items = sorted(scheduled, key=lambda item: len(item.token_ids) != 1)
         num_decode_seqs = sum(1 for item in items if len(item.token_ids) == 1)
         query_lens = np.fromiter((len(item.token_ids) for item in items), dtype=np.int64, count=len(items))
         starts = np.fromiter((item.start_position for item in items), dtype=np.int64, count=len(items))

@@ -124,6 +124,13 @@ class ModelConfig:
         return any(layer.sliding_window is not None for layer in self.layers)
 
     @property
+    def longrope_original_len(self) -> int | None:
+        """With longrope: the context past which a sequence takes the long factors, for all of its
+        positions (transformers recomputes the cache when a sequence grows past it)."""
+        lens = [t.original_max_position_embeddings for t in self.rope_tables if t.long_inv_freq is not None]
+        return min(lens) if lens else None
+
+    @property
     def is_prefix_cacheable(self) -> bool:
         """False with longrope: a block's KV then depends on whether its sequence passed the
         original context (long factors), not on its tokens alone, so blocks cannot be shared."""

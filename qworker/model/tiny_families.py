@@ -9,6 +9,8 @@ window of 8 or 12 for the families that have one. Needs torch and transformers o
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 WINDOW = 8
@@ -61,15 +63,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
         tie_word_embeddings=True,
     ),
-    # Fused qkv and gate_up in the checkpoint; longrope past 24 positions; partial rotary 3/4.
+    # Fused qkv and gate_up in the checkpoint; longrope past 16 positions; partial rotary 3/4.
     "phi3": dict(
         hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, partial_rotary_factor=0.75, original_max_position_embeddings=24,
+        num_key_value_heads=2, partial_rotary_factor=0.75, original_max_position_embeddings=16,
         rope_parameters={
             "rope_type": "longrope", "rope_theta": 10_000.0,
             "short_factor": [1.0 + 0.05 * i for i in range(18)],
             "long_factor": [1.0 + 4.0 * i for i in range(18)],
-            "original_max_position_embeddings": 24,
+            "original_max_position_embeddings": 16,
         },
     ),
     # A window on every layer (head_dim 16).
@@ -127,3 +129,20 @@ def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_family_config(model_type, **overrides), dtype=torch.float32)
     return randomize(model.eval(), model_type, seed)
+
+
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_template")
+
+
+def save_with_tokenizer(model: Any, target: Path) -> Path:
+    """save_pretrained(model) plus SmolLM2's tokenizer files, so that `LLM(target)` and `qworker
+    bench --model target` load it like any Hugging Face directory (token ids past the model's
+    vocabulary are then never produced by the model; prompts must stay inside it)."""
+    from qworker.model.loader import resolve_model
+
+    model.save_pretrained(target)
+    tokenizer_dir = resolve_model("smollm2").path
+    for source in tokenizer_dir.iterdir():
+        if source.name.startswith(TOKENIZER_FILES):
+            shutil.copy(source, target / source.name)
+    return target
