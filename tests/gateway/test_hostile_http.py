@@ -115,7 +115,10 @@ def test_fuzzed_requests_never_get_a_500(api_schema, served):
         )
         def check(case) -> None:
             response = case.call(base_url=served.url, headers=AUTH, timeout=20)
-            assert response.status_code < 500, (
+            # 501 not_supported: a route this pool's backend declares it cannot serve (issue 23's
+            # Files and Batches keep their state in Redis, not in memory://): an answer, not a crash.
+            is_declared = response.status_code == 501 and response.json()["error"]["code"] == "not_supported"
+            assert response.status_code < 500 or is_declared, (
                 f"{case.method} {case.path} {case.body!r:.300} -> {response.status_code}: "
                 f"{response.text[:500]}"
             )
