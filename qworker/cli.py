@@ -403,6 +403,11 @@ def metrics_exporter(
 app.command("bench")(bench)
 app.command("batch")(batch)
 
+# -- gateway (qworker/gateway/command.py) --
+from qworker.gateway.command import gateway  # noqa: E402 - its own block, beside its registration
+
+app.command("gateway")(gateway)
+
 dlq_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
