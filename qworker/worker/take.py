@@ -73,7 +73,7 @@ class Taker:
             try:
                 held = self.held.get(job_id) if job_id is not None else None
                 if held is not None and held.lease.message_id == lease.message_id:
-                    self.held.drop(job_id)  # it got as far as the engine
+                    self.held.drop(held.job.id)  # it got as far as the engine
                 self._apply(outcome)
             except Exception:
                 # Its lease expires and a later attempt, past max_attempts, dead-letters it first.

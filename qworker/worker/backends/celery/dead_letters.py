@@ -43,7 +43,7 @@ class CeleryDeadLetters(DeadLetterQueue):
             body = base64.b64decode(envelope["body"]) if _is_base64(envelope) else envelope["body"].encode()
             if envelope.get("content-type") == ACCEPTED_CONTENT_TYPE:
                 # The job, as the worker reads it out of Celery's [args, kwargs, embed].
-                job_body, problem = CelerySource._job_body(body)
+                job_body, problem = CelerySource.job_body(body)
                 body = body if problem is not None else job_body
         return DeadLetter(
             id=record.get("task_id") or f"#{index}",
