@@ -1,5 +1,6 @@
-"""What scripts/gpu_check.py uses of qworker.bench imports on a GPU machine that has torch, triton,
-transformers and numpy, and none of the worker's or the report's extras.
+"""What scripts/gpu_check.py uses of qworker.bench (qworker.bench.gpu_check and its stages) imports
+on a GPU machine that has torch, triton, transformers and numpy, and none of the worker's or the
+report's extras.
 
 The check runs in a fresh interpreter whose site-packages is a copy (of links) of this one less
 the blocked distributions, so that they are absent exactly as on that machine: `import x` fails
@@ -41,6 +42,7 @@ MODULES = (
     "qworker.bench.report",
     "qworker.bench.qworker_engine",
     "qworker.bench.hf_generate",
+    "qworker.bench.gpu_check.run",
     "qworker_kernels.testing",
 )
 

@@ -1,0 +1,21 @@
+"""One prepared check of the GPU path, for a machine with an NVIDIA GPU (scripts/gpu_check.sh runs
+scripts/gpu_check.py, which drives `run.run_check`).
+
+One module per stage, each recorded in OUT/gpu_check.json (`report.py`: rewritten after every
+stage, so a kill keeps what finished) and summarized in OUT/gpu_check.md:
+  env      versions, device, and that the engine and the bench import without pydantic, redis or boto3
+  kernels  every Triton kernel against its plain-torch reference (qworker_kernels.testing)
+  bench    (kernel_bench.py) scripts/bench_triton_kernels.py: decode attention bandwidth vs HBM
+           peak and vs a device-to-device copy, batch 1/16/64/256 x ctx 512/2048/8192
+  parity   a small fp32 random Llama: greedy tokens of transformers, the torch backend, the
+           Triton backend eager and with CUDA graphs (padded batches, chunked prefill, preemption)
+  e2e      a random Llama with the shape of Llama-3.2-1B: offline-mixed scaled up, through the
+           engine with and without CUDA graphs and through transformers static batches; decode
+           step times; graphs-vs-eager token agreement in bf16
+  pytest   (pytest_stage.py) tests/kernels/test_triton_*.py on the GPU, when pytest is installed
+
+`sizes.py` holds what differs between the GPU run and the CPU smoke run (`--cpu-smoke`: every
+stage with tiny sizes on the CPU under TRITON_INTERPRET=1), `runs.py` the models, systems and runs
+(everything measured goes through qworker.bench's run loop and metrics). Only torch, triton,
+transformers and numpy are needed: nothing here imports the worker's libraries.
+"""
