@@ -11,6 +11,13 @@ in a fragmented pool. Figures are ms per call (one layer), median and best; rati
 this run, since these machines are shared and noisy (the best call shows the machine when quiet).
 
     .venv/bin/python scripts/bench_cpu_attention.py [--dtype bf16 fp32] [--iters 30]
+
+With --window W the cases are --window-cases (default 64 sequences x 4096 tokens) and the kernel
+runs twice per layer, over the whole context and over a sliding window of W keys (a windowed decode
+reads only the blocks its window touches), beside the torch fallback with the same window (which
+gathers the whole context and masks it).
+
+    .venv/bin/python scripts/bench_cpu_attention.py --dtype bf16 --window 512
 """
 
 from __future__ import annotations
@@ -61,9 +68,10 @@ def _time_rounds(fns: dict[str, Callable[[int], object]], num_layers: int, iters
     }
 
 
-def bench_case(
-    mod: ModuleType, dtype: torch.dtype, num_seqs: int, context: int, args: argparse.Namespace
-) -> dict:
+def _make_caches(
+    dtype: torch.dtype, num_seqs: int, context: int, args: argparse.Namespace
+) -> tuple[int, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(num_layers, k_caches, v_caches, qs, block_tables, seq_lens) for one case."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
@@ -77,6 +85,41 @@ def bench_case(
     qs = [torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(num_layers)]
     block_tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(num_seqs, blocks_per_seq)
     seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    return num_layers, k_caches, v_caches, qs, block_tables, seq_lens
+
+
+def bench_window(
+    mod: ModuleType, dtype: torch.dtype, num_seqs: int, context: int, window: int, args: argparse.Namespace
+) -> dict:
+    num_layers, k_caches, v_caches, qs, block_tables, seq_lens = _make_caches(dtype, num_seqs, context, args)
+    out = torch.empty(num_seqs, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+
+    def full(i: int) -> object:
+        return mod.paged_decode_attention(qs[i], k_caches[i], v_caches[i], block_tables, seq_lens, scale, out)
+
+    def windowed(i: int) -> object:
+        return mod.paged_decode_attention(
+            qs[i], k_caches[i], v_caches[i], block_tables, seq_lens, scale, out, sliding_window=window
+        )
+
+    def torch_windowed(i: int) -> object:
+        return mod.paged_decode_attention_torch(
+            qs[i], k_caches[i], v_caches[i], block_tables, seq_lens, scale, out, sliding_window=window
+        )
+
+    expected = torch_windowed(0).clone()
+    torch.testing.assert_close(windowed(0).float(), expected.float(), atol=2e-2, rtol=2e-2)
+    fns = {"full": full, "windowed": windowed, "torch_windowed": torch_windowed}
+    iters = {"full": args.iters, "windowed": args.iters, "torch_windowed": max(3, args.iters // 8)}
+    return _time_rounds(fns, num_layers, iters)
+
+
+def bench_case(
+    mod: ModuleType, dtype: torch.dtype, num_seqs: int, context: int, args: argparse.Namespace
+) -> dict:
+    num_layers, k_caches, v_caches, qs, block_tables, seq_lens = _make_caches(dtype, num_seqs, context, args)
+    esize = torch.finfo(dtype).bits // 8
     out = torch.empty(num_seqs, NUM_HEADS, HEAD_DIM, dtype=dtype)
     scale = HEAD_DIM**-0.5
     read_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * esize
@@ -134,6 +177,8 @@ def main() -> None:
     parser.add_argument("--working-set-mb", type=float, default=128.0)
     parser.add_argument("--min-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    parser.add_argument("--window", type=int, default=None, help="compare a sliding window of this many keys")
+    parser.add_argument("--window-cases", nargs="+", default=["64x4096"], help="SEQSxCONTEXT, with --window")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -154,6 +199,22 @@ def main() -> None:
         f"{'dtype':5} {'batch x ctx':>11} {'MB read':>7} {'kernel':>26} {'floor':>26} {'copy GB/s':>9}"
         f" {'gather+sdpa':>28} {'k/floor':>7} {'sdpa/k':>6}"
     )
+    if args.window is not None:
+        window_name = f"window {args.window}"
+        print(
+            f"{'dtype':5} {'batch x ctx':>11} {'full':>26} {window_name:>26} {'torch window':>28}"
+            f" {'full/window':>11}"
+        )
+        for name in args.dtype:
+            for case in args.window_cases:
+                num_seqs, context = (int(x) for x in case.split("x"))
+                r = bench_window(mod, DTYPES[name], num_seqs, context, args.window, args)
+                print(
+                    f"{name:5} {case:>11} {_cell(r, 'full'):>26} {_cell(r, 'windowed'):>26}"
+                    f" {_cell(r, 'torch_windowed'):>28} {_ratio(r, 'full', 'windowed'):>11}",
+                    flush=True,
+                )
+        return
     for name in args.dtype:
         for num_seqs, context in CASES:
             r = bench_case(mod, DTYPES[name], num_seqs, context, args)

@@ -31,7 +31,7 @@ class TorchAttentionBackend:
     name = "torch"
     # Prefill reads the host lists and decodes may take the CPU kernel: not capturable.
     supports_cuda_graphs = False
-    # Windowed and soft-capped layers run here (in plain torch, not the C kernels).
+    # Windowed and soft-capped layers run here: in the C kernels on the CPU, else in plain torch.
     supports_sliding_window = True
     supports_logits_soft_cap = True
 
@@ -53,33 +53,38 @@ class TorchAttentionBackend:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
-        if sliding_window is not None or logits_soft_cap is not None:
-            # The C kernels see every key and apply no cap yet: these layers take plain torch.
-            return windowed_attention_torch(
-                q, k, v, k_cache, v_cache, meta, scale,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            )  # fmt: skip
-        out = torch.empty_like(q)
         num_decodes = meta.num_decode_seqs
+        num_seqs = len(meta.seq_lens_list)
+        is_decode_kernel = self._decode_kernel is not None and q.device.type == "cpu"
+        is_prefill_kernel = (
+            num_seqs > num_decodes
+            and self._prefill_kernel is not None
+            and self._prefill_kernel.supports(q, k_cache)
+        )
+        extras = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+        if (sliding_window is not None or logits_soft_cap is not None) and not (
+            is_decode_kernel and (num_seqs == num_decodes or is_prefill_kernel)
+        ):
+            # The C kernels take windows and caps; without them (another device, no compiler, a
+            # head_dim they lack) these layers run in plain torch.
+            return windowed_attention_torch(q, k, v, k_cache, v_cache, meta, scale, **extras)
+        out = torch.empty_like(q)
         if num_decodes:
             decode_q = q[:num_decodes]
             tables = meta.block_tables[:num_decodes]
             lens = meta.seq_lens[:num_decodes]
-            if self._decode_kernel is not None and q.device.type == "cpu":
-                self._decode_kernel(decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes])
+            if is_decode_kernel:
+                self._decode_kernel(
+                    decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes], **extras
+                )
             else:
                 paged_decode_attention_torch(
                     decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes]
                 )
-        num_seqs = len(meta.seq_lens_list)
-        if (
-            num_seqs > num_decodes
-            and self._prefill_kernel is not None
-            and self._prefill_kernel.supports(q, k_cache)
-        ):
+        if is_prefill_kernel:
             self._prefill_kernel.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                num_decodes, num_seqs, scale, out,
+                num_decodes, num_seqs, scale, out, **extras,
             )  # fmt: skip
             return out
         num_kv_heads, head_dim = k_cache.shape[-2:]
