@@ -195,10 +195,6 @@ def main() -> None:
         "ms per call (one layer): median [best call] (median of uncontended calls); "
         "ratios of uncontended medians where there are some"
     )
-    print(
-        f"{'dtype':5} {'batch x ctx':>11} {'MB read':>7} {'kernel':>26} {'floor':>26} {'copy GB/s':>9}"
-        f" {'gather+sdpa':>28} {'k/floor':>7} {'sdpa/k':>6}"
-    )
     if args.window is not None:
         window_name = f"window {args.window}"
         print(
@@ -215,6 +211,10 @@ def main() -> None:
                     flush=True,
                 )
         return
+    print(
+        f"{'dtype':5} {'batch x ctx':>11} {'MB read':>7} {'kernel':>26} {'floor':>26} {'copy GB/s':>9}"
+        f" {'gather+sdpa':>28} {'k/floor':>7} {'sdpa/k':>6}"
+    )
     for name in args.dtype:
         for num_seqs, context in CASES:
             r = bench_case(mod, DTYPES[name], num_seqs, context, args)
