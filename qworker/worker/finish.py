@@ -14,6 +14,7 @@ Counters follow each result's status through a table (stats.RESULT_COUNTERS).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from qworker.engine.outputs import RequestOutput
 from qworker.worker.backends.sink import ResultSink
@@ -29,27 +30,16 @@ from qworker.worker.stats import WorkerStats
 logger = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True)
 class Finisher:
-    def __init__(
-        self,
-        *,
-        worker_name: str,
-        outbox: Outbox,
-        sink: ResultSink,
-        source: JobSource,
-        broker: BrokerCalls,
-        stats: WorkerStats,
-        metrics: WorkerMetrics,
-        log_payloads: bool,
-    ) -> None:
-        self.worker_name = worker_name
-        self.outbox = outbox
-        self.sink = sink
-        self.source = source
-        self.broker = broker
-        self.stats = stats
-        self.metrics = metrics
-        self.log_payloads = log_payloads
+    worker_name: str
+    outbox: Outbox
+    sink: ResultSink
+    source: JobSource
+    broker: BrokerCalls
+    stats: WorkerStats
+    metrics: WorkerMetrics
+    log_payloads: bool
 
     def end(self, result: JobResult, leases: list[Lease]) -> None:
         """Store the result, then ack every lease."""
@@ -61,9 +51,13 @@ class Finisher:
     def end_held(
         self, held: HeldJob, output: RequestOutput | None, status: JobStatus, error: JobError | None
     ) -> None:
-        """End a job that ran (the engine finished it, or it was dropped: see held.py)."""
+        """End a job that ran (the engine finished it, or it was dropped: see held.py). An output
+        the engine failed on its own (a grammar that did not compile) makes a failed result."""
         if output is not None:
             self.metrics.observe_preemptions(output.num_preemptions)
+            if output.error is not None and status is JobStatus.COMPLETED:
+                status = JobStatus.FAILED
+                error = JobError(type=output.error.type, message=output.error.message)
         result = build_result(held.job.id, held.job, held.lease, status, error, output, self.worker_name)
         self.end(result, held.leases)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 from qworker.errors import InvalidRequestError
 from qworker.worker import intake
@@ -25,34 +26,22 @@ from qworker.worker.retry import BrokerOutageError, is_transient
 logger = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True)
 class Taker:
     """Carries out intake's outcome for each leased message; also the IntakeFacts it reads."""
 
-    def __init__(
-        self,
-        *,
-        worker_name: str,
-        engine: EngineProtocol,
-        source: JobSource,
-        sink: ResultSink,
-        held: HeldJobs,
-        outbox: Outbox,
-        finish: Finisher,
-        admission: AdmissionPolicy,
-        log_payloads: bool,
-    ) -> None:
-        self.worker_name = worker_name
-        self.engine = engine
-        self.source = source
-        self.sink = sink
-        self.held = held
-        self.outbox = outbox
-        self.finish = finish
-        self.admission = admission
-        self.log_payloads = log_payloads
-        # Written for each job as it enters the engine (one round trip per pull, pop_attempt_notes):
-        # read back only if the attempt never ends here, to say why the job is later dead-lettered.
-        self._attempt_notes: dict[str, str] = {}
+    worker_name: str
+    engine: EngineProtocol
+    source: JobSource
+    sink: ResultSink
+    held: HeldJobs
+    outbox: Outbox
+    finish: Finisher
+    admission: AdmissionPolicy
+    log_payloads: bool
+    # Written for each job as it enters the engine (one round trip per pull, pop_attempt_notes):
+    # read back only if the attempt never ends here, to say why the job is later dead-lettered.
+    _attempt_notes: dict[str, str] = field(default_factory=dict, init=False)
 
     def pop_attempt_notes(self) -> dict[str, str]:
         notes, self._attempt_notes = self._attempt_notes, {}
