@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,11 @@ from tests.gateway.conftest import free_port
 from tests.integration.batch_support import (
     CHAT_URL,
     COMPLETIONS_URL,
+    ENGINE_ARGS,
     LOGPROB_TOLERANCE,
     MODEL_NAME,
     batch_row,
-    engine_flags,
     mixed_rows,
-    run_batch_process,
     write_batch_model_dir,
     write_jsonl,
 )
@@ -51,7 +51,8 @@ MAX_FILE_ROWS = 2000
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_batch_model_dir(tmp_path_factory.mktemp("gw-batch-model"))
+    # One folder for the session: test_async_jobs.py uses the same model.
+    return write_batch_model_dir(tmp_path_factory.getbasetemp() / "gw-tiny-model")
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +62,31 @@ def pool_url():
     cleanup(redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url), url)
 
 
-@pytest.fixture(scope="module")
-def local_lines(model_dir, tmp_path_factory):
-    """custom_id -> the line `qworker batch` (local mode, in its own process) writes for ROWS."""
-    folder = tmp_path_factory.mktemp("gw-batch-local")
+def local_batch_lines(model_dir: Path, folder: Path) -> dict[str, BatchOutputLine]:
+    """custom_id -> the line `qworker batch` in local mode (run_batch, what the command runs)
+    writes for ROWS, in this process with one thread."""
+    import torch
+
+    from qworker.batch.command import BatchRun, run_batch
+    from qworker.batch.progress import ProgressMode
+    from qworker.config import EngineConfig
+
     source = write_jsonl(folder / "in.jsonl", ROWS)
     out = folder / "out.jsonl"
-    done = run_batch_process(
-        ["-i", str(source), "-o", str(out), "--served-model-name", MODEL_NAME, *engine_flags(model_dir)]
+    run = BatchRun(
+        input=str(source),
+        output=str(out),
+        served_model_names=[MODEL_NAME],
+        progress=ProgressMode.NONE,
+        work_dir=folder / "work",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = run_batch(run, EngineConfig(model=str(model_dir), **ENGINE_ARGS))
+    finally:
+        torch.set_num_threads(num_threads)
+    assert summary.num_run == len(ROWS) and summary.num_failed == 0, summary
     return {
         line.custom_id: line
         for line in map(BatchOutputLine.model_validate_json, out.read_text().splitlines())
@@ -78,23 +94,52 @@ def local_lines(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker(pool_url, model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("gw-batch-worker") / "w1.log"
-    process = spawn_worker(
-        pool_url,
-        model_dir,
-        "gbw1",
-        "--num-kv-blocks",
-        "512",
-        "--block-size",
-        "16",
-        "--max-num-seqs",
-        "4",
-        log_path=log,
-    )
-    yield log
-    process.terminate()
-    process.wait(timeout=60)
+def pool(pool_url, model_dir, tmp_path_factory):
+    """The module's worker (started in the background while this process computes the local
+    reference lines) and the reference: (worker log, custom_id -> local line)."""
+    folder = tmp_path_factory.mktemp("gw-batch-pool")
+    log = folder / "w1.log"
+    started: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            started["process"] = spawn_worker(
+                pool_url,
+                model_dir,
+                "gbw1",
+                "--num-kv-blocks",
+                "512",
+                "--block-size",
+                "16",
+                "--max-num-seqs",
+                "4",
+                log_path=log,
+            )
+        except Exception as exc:
+            started["error"] = exc
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    try:
+        reference = local_batch_lines(model_dir, folder)
+    finally:
+        starting.join()
+    if "error" in started:
+        raise started["error"]
+    yield log, reference
+    # SIGKILL: nothing of the module's unique queue needs a drain.
+    started["process"].kill()
+    started["process"].wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def worker(pool):
+    return pool[0]
+
+
+@pytest.fixture(scope="module")
+def local_lines(pool):
+    return pool[1]
 
 
 class GatewayProcess:
