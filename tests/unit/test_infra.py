@@ -422,7 +422,9 @@ def test_core_kinds_are_valid_against_the_kubernetes_schemas():
 
 
 def test_keda_objects_are_valid_against_kedas_crd_schemas():
-    validators = {kind: _keda_validator(kind) for kind in ("ScaledObject", "TriggerAuthentication")}
+    validators = {
+        kind: _keda_validator(kind) for kind in ("ScaledObject", "ScaledJob", "TriggerAuthentication")
+    }
     checked = 0
     for path, doc in _all_k8s_objects():
         if not doc["apiVersion"].startswith("keda.sh/"):
