@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check of qworker's GPU path (see scripts/gpu_check.py for the stages).
+# One prepared check of qworker's GPU path (qworker/bench/gpu_check/ has one module per stage).
 #
 #   scripts/gpu_check.sh [OUT_DIR] [extra gpu_check.py args]   # default OUT_DIR: ./gpu_out
 #   scripts/gpu_check.sh /tmp/smoke --cpu-smoke                 # the same stages, tiny, on the CPU
