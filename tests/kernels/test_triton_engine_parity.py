@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qworker.engine.sampling_params import SamplingParams
+from qworker.model.tiny_families import WINDOW, tiny_family_model
 from tests.conftest import hf_greedy, run_to_completion, tiny_engine, tiny_hf_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,3 +161,27 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(model, monkeypatch) 
     monkeypatch.delenv("QWORKER_ATTENTION_BACKEND", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         engine(model, "triton")
+
+
+@pytest.fixture(scope="module")
+def gemma2():
+    """Tiny Gemma 2: windowed (WINDOW keys) and global layers, attention soft-capping, query
+    pre-attention scaling, head_dim 48, GQA 4; transformers' greedy tokens for its prompts."""
+    model = tiny_family_model("gemma2")
+    rng = random.Random(2)
+    # Shorter than the window, and one, two and three windows long.
+    prompt_list = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, WINDOW + 1, 2 * WINDOW + 3, 23)]
+    expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompt_list]
+    return model.to(DEVICE), prompt_list, expected
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 5}], ids=["default", "chunks_of_5"])
+def test_windowed_soft_capped_layers_run_in_the_triton_kernels(gemma2, engine_args) -> None:
+    model, prompt_list, expected = gemma2
+    triton_engine = engine(model, "triton", **engine_args)
+    # The kernels take both extras: no torch fallback wraps the backend.
+    assert type(triton_engine.runner.backend).__name__ == "TritonAttentionBackend"
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [triton_engine.add_request(f"g{i}", {"prompt_token_ids": p}, sp) for i, p in enumerate(prompt_list)]
+    outs = run_to_completion(triton_engine)
+    assert [outs[i].outputs[0].token_ids for i in ids] == expected
