@@ -370,7 +370,12 @@ class LLMEngine:
                     state.request.logprobs.append(token_logprobs)
                 step_output = self._process_token(state, token_id, now)
                 outputs.append(step_output)
-                if state.request.grammar is not None and not step_output.finished:
+                # A forced token has no logits of its own: requests asking logprobs sample every token.
+                if (
+                    state.request.grammar is not None
+                    and not step_output.finished
+                    and state.request.sampling_params.logprobs is None
+                ):
                     constrained.append((state, step_output))
             if constrained and self.structured.enable_fast_forward:
                 self._fast_forward(constrained, now)

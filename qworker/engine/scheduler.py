@@ -154,7 +154,9 @@ class Scheduler:
             )
 
         # 1. Decodes of running requests, oldest first; preempt from the back when blocks run out.
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        # A request past its prompt may have more than one token to compute: tokens a grammar
+        # forced (fast-forward) are computed here too, so that they can preempt like a decode.
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         decode_ids = {id(r) for r in decoding}
         scheduled_ids: set[int] = set()
         capacity_finished: list[str] = []
@@ -163,12 +165,13 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             while True:
-                block_ids = manager.allocate_slots(request, 1)
+                block_ids = manager.allocate_slots(request, num_new_tokens)
                 if block_ids is not None:
-                    take(request, 1, block_ids)
+                    take(request, num_new_tokens, block_ids)
                     scheduled_ids.add(id(request))
-                    token_budget -= 1
+                    token_budget -= num_new_tokens
                     break
                 if len(self.running) == 1:
                     # It holds the whole pool and still cannot grow: waiting would not help.
