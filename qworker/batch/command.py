@@ -47,7 +47,8 @@ class BatchRun:
     # None: from the input's content, so that the same file is the same batch.
     batch_id: str | None = None
     max_pending: int = 10_000
-    # Staging copies of S3 outputs and the pool journal (none: qworker's cache folder).
+    # Staging copies of S3 outputs, and the pool journal for result stores without a record of
+    # sent rows (none: qworker's cache folder).
     work_dir: Path | None = None
     progress: ProgressMode = ProgressMode.AUTO
     progress_interval_s: float = 10.0
@@ -232,7 +233,8 @@ def batch(
     work_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Staging of S3 outputs and the pool's record of sent rows (none: ~/.cache/qworker/batch)"
+            help="Staging of S3 outputs, and the pool's record of sent rows when the result store keeps "
+            "none (none: ~/.cache/qworker/batch)"
         ),
     ] = None,
     progress: Annotated[

@@ -29,6 +29,7 @@ from qworker.batch.submitted import open_submitted
 from qworker.batch.validate import BatchFileError, check_input
 from qworker.gateway.batch_objects import (
     BATCH_KIND,
+    BATCH_OPTIONS_KIND,
     FILE_KIND,
     BatchStatus,
     file_object,
@@ -230,6 +231,10 @@ class BatchDriver:
                 if batch["status"] != BatchStatus.CANCELLING.value:
                     set_status(batch, BatchStatus.CANCELLING)
                 return True
+            # The stored deadline, read again: an operator may move it (a test does).
+            stored = self._load(batch_id)
+            if stored is not None:
+                batch["expires_at"] = stored[0]["expires_at"]
             if time.time() >= batch["expires_at"]:
                 stop_reason.append(BatchStatus.EXPIRED)
                 return True
@@ -267,13 +272,15 @@ class BatchDriver:
             final = BatchStatus.COMPLETED
         set_status(batch, BatchStatus.FINALIZING)
         self._save(batch, owner)
-        batch["output_file_id"] = self._publish(output_file.path, owner)
-        batch["error_file_id"] = self._publish(errors_file.path, owner)
+        options = self.records.get(BATCH_OPTIONS_KIND, batch_id) or {}
+        expiry_s = options.get("output_expiry_s") or self.settings.file_expiry_s
+        batch["output_file_id"] = self._publish(output_file.path, owner, expiry_s)
+        batch["error_file_id"] = self._publish(errors_file.path, owner, expiry_s)
         self._finish(batch, owner, final)
         output_file.path.unlink(missing_ok=True)
         errors_file.path.unlink(missing_ok=True)
 
-    def _publish(self, path: Path, owner: str) -> str | None:
+    def _publish(self, path: Path, owner: str, expiry_s: int) -> str | None:
         """The staging file as a `batch_output` file of the owner; None when it holds no line."""
         if not path.exists() or path.stat().st_size == 0:
             return None

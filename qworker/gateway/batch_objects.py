@@ -19,6 +19,8 @@ from typing import Any
 
 FILE_KIND = "file"
 BATCH_KIND = "batch"
+# What a batch was created with that its object does not show (output_expires_after).
+BATCH_OPTIONS_KIND = "batch-options"
 # OpenAI accepts only this window; it sets expires_at.
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 FILE_PURPOSES = frozenset({"batch", "batch_output", "fine-tune", "assistants", "user_data", "evals"})
@@ -39,6 +41,35 @@ class BatchStatus(str, Enum):
 TERMINAL_STATUSES = frozenset(
     {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
 )
+
+
+# OpenAI's bounds of `expires_after.seconds` (files) and `output_expires_after.seconds` (batches).
+MIN_EXPIRY_S = 3600
+MAX_EXPIRY_S = 30 * 24 * 3600
+
+
+def expiry_seconds(value: object, param: str) -> int:
+    """`{"anchor": "created_at", "seconds": N}` as N; GatewayError 400 otherwise."""
+    from qworker.gateway.errors import GatewayError
+
+    if (
+        not isinstance(value, dict)
+        or value.get("anchor") != "created_at"
+        or set(value) != {"anchor", "seconds"}
+    ):
+        raise GatewayError(400, f'{param} must be {{"anchor": "created_at", "seconds": N}}', param=param)
+    seconds = value["seconds"]
+    if isinstance(seconds, str) and seconds.isdigit():
+        seconds = int(seconds)  # a multipart form field
+    if (
+        not isinstance(seconds, int)
+        or isinstance(seconds, bool)
+        or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S
+    ):
+        raise GatewayError(
+            400, f"{param}.seconds must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}", param=param
+        )
+    return seconds
 
 
 def owner_of(api_key: bytes | None) -> str:

@@ -452,3 +452,50 @@ def test_limits_unknown_files_and_idempotency_keys(gateway):
     client.files.delete(file_id)
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(file_id)
+
+
+def records_redis(pool_url: str) -> tuple[redis_lib.Redis, str]:
+    parsed = parse_url(pool_url, SOURCE_PARAMS | SINK_PARAMS)
+    return redis_lib.Redis.from_url(parsed.connection_url), f"{parsed.params['prefix']}:gw"
+
+
+@pytest.mark.timeout(90)
+def test_a_batch_past_expires_at_ends_expired_with_its_partial_output(gateway, worker, pool_url):
+    client = sdk(gateway)
+    body = {"model": MODEL_NAME, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    rows = [batch_row(f"e-{i}", COMPLETIONS_URL, {**body, "prompt": f"Saga {i}"}) for i in range(40)]
+    batch = client.batches.create(
+        input_file_id=upload(client, rows),
+        endpoint=COMPLETIONS_URL,
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # The deadline passes (moved in the store, as 24 hours would move it; again should the
+    # driver's own write of its counts cross this one).
+    redis, prefix = records_redis(pool_url)
+    key = f"{prefix}:obj:batch:{batch.id}"
+    deadline = time.monotonic() + 60
+    while (done := client.batches.retrieve(batch.id)).status not in ("expired", "completed"):
+        assert time.monotonic() < deadline
+        record = json.loads(redis.get(key))
+        if record["batch"]["expires_at"] > time.time():
+            record["batch"]["expires_at"] = int(time.time()) - 1
+            redis.set(key, json.dumps(record))
+        time.sleep(0.2)
+    assert done.status == "expired" and done.expired_at
+    lines = output_lines(client, done.output_file_id)
+    assert 2 <= len(lines) < 40 and done.request_counts.completed == len(lines)
+    output = client.files.retrieve(done.output_file_id)
+    assert output.purpose == "batch_output" and output.expires_at == output.created_at + 7200
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(
+            input_file_id=done.input_file_id,
+            endpoint=COMPLETIONS_URL,
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 5},
+        )

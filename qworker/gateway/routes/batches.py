@@ -16,9 +16,11 @@ from qworker.gateway.async_api import async_api, request_owner
 from qworker.gateway.batch_driver import cancel_flag_key
 from qworker.gateway.batch_objects import (
     BATCH_KIND,
+    BATCH_OPTIONS_KIND,
     COMPLETION_WINDOWS,
     BatchStatus,
     batch_object,
+    expiry_seconds,
     is_terminal,
     new_id,
     set_status,
@@ -66,9 +68,14 @@ def _create(records: Records, owner: str, body: CreateBatch) -> dict[str, Any]:
     input_file = owned_file(records, body.input_file_id, owner)
     if input_file["purpose"] != "batch":
         raise GatewayError(400, "the input file's purpose must be 'batch'", param="input_file_id")
+    output_expiry_s = None
+    if body.output_expires_after is not None:
+        output_expiry_s = expiry_seconds(body.output_expires_after, "output_expires_after")
     batch = batch_object(
         new_id("batch"), body.endpoint, body.input_file_id, body.completion_window, body.metadata
     )
+    if output_expiry_s is not None:
+        records.put(BATCH_OPTIONS_KIND, batch["id"], {"output_expiry_s": output_expiry_s})
     records.create(BATCH_KIND, batch["id"], owner, {"owner": owner, "batch": batch})
     records.activate(BATCH_KIND, batch["id"])
     return batch

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
 from qworker.gateway.async_api import async_api, request_owner
-from qworker.gateway.batch_objects import FILE_KIND, UPLOAD_PURPOSES, file_object, new_id
+from qworker.gateway.batch_objects import FILE_KIND, UPLOAD_PURPOSES, expiry_seconds, file_object, new_id
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.records import Records
 from qworker.gateway.uploads import UploadLimits, receive_upload
@@ -46,13 +46,18 @@ async def create_file(request: Request) -> dict[str, Any]:
             raise GatewayError(
                 400, f"purpose must be one of {sorted(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose"
             )
+        expiry_s = api.settings.file_expiry_s
+        if any(name.startswith("expires_after") for name in upload.fields):
+            given = {
+                "anchor": upload.fields.get("expires_after[anchor]"),
+                "seconds": upload.fields.get("expires_after[seconds]"),
+            }
+            expiry_s = expiry_seconds(given, "expires_after")
         await anyio.to_thread.run_sync(writer.commit)
     except BaseException:
         await anyio.to_thread.run_sync(writer.abort)
         raise
-    obj = file_object(
-        file_id, upload.filename or "upload.jsonl", purpose, upload.num_bytes, api.settings.file_expiry_s
-    )
+    obj = file_object(file_id, upload.filename or "upload.jsonl", purpose, upload.num_bytes, expiry_s)
     await anyio.to_thread.run_sync(records.create, FILE_KIND, file_id, owner, {"owner": owner, "file": obj})
     return obj
 
