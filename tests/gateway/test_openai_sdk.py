@@ -3,6 +3,7 @@ thread) on the real Redis. One worker and one gateway serve the whole module."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -211,8 +212,15 @@ def test_no_worker_scale_from_zero_timeout_and_backpressure(tmp_path):
             sdk = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=60)
             started = time.monotonic()
             with pytest.raises(openai.InternalServerError) as timed_out:
-                sdk.completions.create(model="smollm2", prompt="Hello", max_tokens=4)
+                sdk.completions.create(
+                    model="smollm2", prompt="Hello", max_tokens=4, extra_body={"priority": -3}
+                )
             assert timed_out.value.status_code == 504 and time.monotonic() - started >= 2.0
+            # The request's priority is its job's (the queue orders on it).
+            stream = url.split("stream=")[1].split("&")[0]
+            entries = [*r.xrange(stream), *r.xrange(f"{stream}:high")]
+            bodies = [json.loads(v) for _, fields in entries for v in fields.values() if v.startswith(b"{")]
+            assert [(b["prompt"], b["priority"], b["ttl_s"]) for b in bodies] == [("Hello", -3, 2.0)]
             cancelled = {k.decode() for k in r.scan_iter(match=f"{url.split('prefix=')[1]}*cancel*")}
             assert cancelled, "the timed-out job was cancelled"
             # That job still waits in the queue (no worker): 1 block. A request that would take the
@@ -223,3 +231,47 @@ def test_no_worker_scale_from_zero_timeout_and_backpressure(tmp_path):
             assert limited.value.response.headers["Retry-After"] == "2"
     finally:
         cleanup(r, url)
+
+
+@pytest.mark.timeout(60)
+def test_tokenizer_routes_in_vllms_shapes(gateway, worker):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    text = httpx.post(
+        f"{gateway.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}, headers=auth
+    ).json()
+    assert text["count"] == len(text["tokens"]) == len(text["token_strs"]) and text["max_model_len"] == 8192
+    assert "".join(text["token_strs"]).replace("Ġ", " ") == "Hello world"
+    back = httpx.post(f"{gateway.url}/detokenize", json={"tokens": text["tokens"]}, headers=auth).json()
+    assert back == {"prompt": "Hello world"}
+    chat = httpx.post(f"{gateway.url}/tokenize", json={"messages": CHAT}, headers=auth).json()
+    info = httpx.get(f"{gateway.url}/tokenizer_info", headers=auth).json()
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    # The chat template applied as the worker applies it: the count the worker reports as usage.
+    response = openai.OpenAI(
+        base_url=gateway.base_url, api_key=API_KEY, max_retries=0
+    ).chat.completions.create(model="smollm2", messages=CHAT, max_tokens=1)
+    assert chat["count"] == response.usage.prompt_tokens
+    bad = httpx.post(f"{gateway.url}/detokenize", json={"tokens": [10**9]}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.timeout(60)
+def test_metrics_count_requests_by_route_and_status(gateway, sdk, worker):
+    sdk.models.list()
+    sdk.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=1)
+    sdk.completions.create(model="smollm2", prompt="Hi", max_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="no-such-model", messages=CHAT)
+    text = httpx.get(f"{gateway.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    assert metric_value(text, 'qworker_gateway_requests_total{route="/v1/models",status="200"}') >= 1
+    assert (
+        metric_value(text, 'qworker_gateway_requests_total{route="/v1/chat/completions",status="200"}') >= 1
+    )
+    assert (
+        metric_value(text, 'qworker_gateway_requests_total{route="/v1/chat/completions",status="404"}') >= 1
+    )
+    assert (
+        metric_value(text, 'qworker_gateway_time_to_first_byte_seconds_count{route="/v1/completions"}') >= 1
+    )
+    assert metric_value(text, "qworker_gateway_enqueue_to_first_token_seconds_count") >= 1
+    assert metric_value(text, "qworker_gateway_inflight_streams") == 0
