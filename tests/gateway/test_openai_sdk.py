@@ -199,6 +199,35 @@ def test_disconnect_mid_stream_cancels_the_job_and_frees_its_blocks(sdk, store, 
     assert store.result(job_id, timeout=10).status.value == "cancelled"
 
 
+@pytest.mark.timeout(120)
+def test_a_client_that_stops_waiting_gets_its_job_cancelled(gateway, worker):
+    """Without streaming: the client gives up (its read timeout) while the job runs."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def gateway_metric(name: str) -> float:
+        return metric_value(httpx.get(f"{gateway.url}/metrics", headers=auth).text, name) or 0.0
+
+    cancelled = 'qworker_gateway_cancelled_jobs_total{reason="disconnect"}'
+    before = gateway_metric(cancelled)
+    body = {"model": "smollm2", "prompt": "Count: one, two,", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.url}/v1/completions", json=body, headers=auth, timeout=2.0)
+    gave_up_at = time.monotonic()
+    while gateway_metric(cancelled) < before + 1:
+        assert time.monotonic() - gave_up_at < 2.0, "the gateway did not cancel the job of a client that left"
+        time.sleep(0.05)
+    text = httpx.get(worker).text
+    free, total = (
+        metric_value(text, "qworker_kv_cache_free_blocks"),
+        metric_value(text, "qworker_kv_cache_total_blocks"),
+    )
+    while free < total:
+        assert time.monotonic() - gave_up_at < 3.0, f"KV blocks still held: {free} of {total} free"
+        time.sleep(0.05)
+        text = httpx.get(worker).text
+        free = metric_value(text, "qworker_kv_cache_free_blocks")
+
+
 @pytest.mark.timeout(90)
 def test_no_worker_scale_from_zero_timeout_and_backpressure(tmp_path):
     """A second pool with no worker: a request waits; one whose timeout passes gets 504 and its
