@@ -258,15 +258,21 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
     server = None
     if settings.metrics_port is not None:
         server = HealthServer(metrics.registry, health, port=settings.metrics_port).start()
-    from qworker.engine.llm_engine import LLMEngine
+    from qworker.engine.startup import describe_hardware, load_engine_in_phases
+    from qworker.startup import StartupTimings, process_age_s
 
+    timings = StartupTimings()
+    imported_at = process_age_s()  # the process start to here: Python, the CLI, torch, the engine
+    if imported_at is not None:
+        timings.record("import", imported_at)
     queue_url = resolve_url(run.queue)
     # Connect first: a wrong URL fails in a second, not after the model has loaded.
-    with connecting("queue", queue_url):
-        source = open_source(queue_url, consumer=settings.name, lease_timeout_s=run.lease_timeout_s)
-    results_url = run.results or default_results_url(queue_url)
-    with connecting("results", results_url):
-        sink = open_sink(results_url, run.stream_results)
+    with timings.phase("queue_connect"):
+        with connecting("queue", queue_url):
+            source = open_source(queue_url, consumer=settings.name, lease_timeout_s=run.lease_timeout_s)
+        results_url = run.results or default_results_url(queue_url)
+        with connecting("results", results_url):
+            sink = open_sink(results_url, run.stream_results)
     logging.getLogger("qworker.cli").info(
         "worker %s: queue %s, results %s%s",
         settings.name,
@@ -274,12 +280,27 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
         redact_url(results_url),
         f", stream results {redact_url(run.stream_results)}" if run.stream_results else "",
     )
-    engine = LLMEngine(engine_config)
-    metrics.set_info(
-        model=engine_config.model, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device)
-    )
+    engine = load_engine_in_phases(engine_config, timings)
+    hardware = describe_hardware(engine)
+    metrics.set_info(model=engine_config.model, dtype=hardware.dtype, device=hardware.device)
     w = Worker(engine, source, sink, settings, metrics=metrics, health=health)
     w.install_signal_handlers()
+    timings.mark_ready()
+    # Published with the worker's stats and metrics: the exporter and dashboards see each
+    # worker's device and KV pool (mixed pools) and what its start cost.
+    w.stats.hardware, w.stats.startup = hardware, timings
+    metrics.set_hardware(hardware)
+    metrics.set_startup(timings)
+    logging.getLogger("qworker.cli").info(
+        "worker %s on %s (%s, %.0f GiB), %d KV blocks of %d tokens; startup: %s",
+        settings.name,
+        hardware.device,
+        hardware.device_name,
+        hardware.device_memory_bytes / 2**30,
+        hardware.num_kv_blocks,
+        hardware.block_size,
+        timings.summary(),
+    )
     # Tests and supervisors wait for this line before they send work or signals.
     print(f"qworker worker {settings.name} ready", flush=True)
     w.run(burst=run.burst)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from qworker.startup import HardwareInfo, StartupTimings
 from qworker.worker.jobs import JobResult, JobStatus
 
 if TYPE_CHECKING:
@@ -74,6 +75,24 @@ class WorkerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.info = Info("qworker_worker", "The model and runtime this worker serves", registry=r)
+        # Set once at start (set_hardware, set_startup): what this worker's KV pool means in a
+        # pool of different devices or block sizes, and what its start cost.
+        self.hardware_info = Info("qworker_hardware", "The device this worker serves on", registry=r)
+        self.device_memory_bytes = Gauge(
+            "qworker_device_memory_bytes", "Memory of the device (GPU; for a CPU, the machine's)", registry=r
+        )
+        self.kv_capacity_tokens = Gauge(
+            "qworker_kv_cache_capacity_tokens", "Tokens the KV cache holds: blocks x block size", registry=r
+        )
+        self.kv_block_size_tokens = Gauge(
+            "qworker_kv_cache_block_size_tokens", "Tokens per KV block", registry=r
+        )
+        self.startup_seconds = Gauge(
+            "qworker_startup_seconds",
+            "Time to ready by phase (qworker/startup.py); phase=total from the process start",
+            ["phase"],
+            registry=r,
+        )
 
         # Engine and worker state: set by set_engine_gauges.
         self.requests_running = Gauge(
@@ -158,6 +177,25 @@ class WorkerMetrics:
         # before the first failure.
         for status in JobStatus:
             self.jobs.labels(status=status.value)
+
+    def set_hardware(self, hardware: HardwareInfo) -> None:
+        self.hardware_info.info(
+            {
+                "device": hardware.device,
+                "device_name": hardware.device_name,
+                "dtype": hardware.dtype,
+                "block_size": str(hardware.block_size),
+            }
+        )
+        self.device_memory_bytes.set(hardware.device_memory_bytes)
+        self.kv_capacity_tokens.set(hardware.kv_capacity_tokens)
+        self.kv_block_size_tokens.set(hardware.block_size)
+
+    def set_startup(self, timings: StartupTimings) -> None:
+        for phase, seconds in timings.seconds.items():
+            self.startup_seconds.labels(phase=phase).set(seconds)
+        if timings.to_ready_s is not None:
+            self.startup_seconds.labels(phase="total").set(timings.to_ready_s)
 
     def set_info(self, *, model: str, dtype: str, device: str) -> None:
         self.info.info({"model": model, "dtype": dtype, "device": device, "version": installed_version()})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qworker.startup import HardwareInfo, StartupTimings
 from qworker.worker.admission import AdmissionStats
 from qworker.worker.jobs import JobStatus
 
@@ -32,6 +33,9 @@ class WorkerStats:
     # Broker outages ridden out, and text deltas dropped because one lasted too long.
     num_broker_outages: int = 0
     num_deltas_dropped: int = 0
+    # Set once at start (qworker/startup.py): the device and KV pool, and the time to ready.
+    hardware: HardwareInfo | None = None
+    startup: StartupTimings | None = None
 
     def count_result(self, status: JobStatus) -> None:
         counter = RESULT_COUNTERS[status]
