@@ -286,9 +286,7 @@ class BatchDriver:
             return None
         file_id = new_id("file")
         self.files.put_path(file_id, path)
-        obj = file_object(
-            file_id, path.name, "batch_output", path.stat().st_size, self.settings.file_expiry_s
-        )
+        obj = file_object(file_id, path.name, "batch_output", path.stat().st_size, expiry_s)
         self.records.create(FILE_KIND, file_id, owner, {"owner": owner, "file": obj})
         return file_id
 
