@@ -61,13 +61,15 @@ class TorchAttentionBackend:
             and self._prefill_kernel is not None
             and self._prefill_kernel.supports(q, k_cache)
         )
-        extras = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
         if (sliding_window is not None or logits_soft_cap is not None) and not (
             is_decode_kernel and (num_seqs == num_decodes or is_prefill_kernel)
         ):
             # The C kernels take windows and caps; without them (another device, no compiler, a
             # head_dim they lack) these layers run in plain torch.
-            return windowed_attention_torch(q, k, v, k_cache, v_cache, meta, scale, **extras)
+            return windowed_attention_torch(
+                q, k, v, k_cache, v_cache, meta, scale,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            )  # fmt: skip
         out = torch.empty_like(q)
         if num_decodes:
             decode_q = q[:num_decodes]
@@ -75,8 +77,9 @@ class TorchAttentionBackend:
             lens = meta.seq_lens[:num_decodes]
             if is_decode_kernel:
                 self._decode_kernel(
-                    decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes], **extras
-                )
+                    decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes],
+                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                )  # fmt: skip
             else:
                 paged_decode_attention_torch(
                     decode_q, k_cache, v_cache, tables, lens, scale, out=out[:num_decodes]
@@ -84,7 +87,8 @@ class TorchAttentionBackend:
         if is_prefill_kernel:
             self._prefill_kernel.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                num_decodes, num_seqs, scale, out, **extras,
+                num_decodes, num_seqs, scale, out,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             )  # fmt: skip
             return out
         num_kv_heads, head_dim = k_cache.shape[-2:]
