@@ -96,7 +96,12 @@ def gateway(
         keys = load_api_keys(api_key_file)
     except ApiKeyError as exc:
         raise typer.BadParameter(str(exc)) from None
-    app = create_app(settings, queue=queue, results=results, stream_results=stream_results, api_keys=keys)
+    from qworker.cli import connecting, reported_errors
+
+    # A Redis queue is connected to at once (the producer makes sure its group exists): a store
+    # that does not answer is one error line and exit code 3, and the orchestrator restarts us.
+    with reported_errors(), connecting("queue", queue):
+        app = create_app(settings, queue=queue, results=results, stream_results=stream_results, api_keys=keys)
     logging.getLogger("qworker.gateway").info(
         "gateway on %s:%d for model %s, %s",
         settings.host,

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from qworker.batch.rows import Endpoint
 from qworker.gateway.errors import GatewayError
-from qworker.gateway.mapping import PreparedRequest, prepare
+from qworker.gateway.mapping import prepare
 from qworker.gateway.pool import StreamEvent
 from qworker.gateway.responses import response_body
 from qworker.gateway.state import GatewayState, check_model, gateway_state
@@ -75,11 +75,7 @@ async def _cancel(state: GatewayState, job_ids: list[str], reason: str) -> None:
 
 
 async def _first_event(
-    state: GatewayState,
-    prepared: PreparedRequest,
-    events: asyncio.Queue[StreamEvent],
-    deadline: float,
-    request: Request,
+    events: asyncio.Queue[StreamEvent], deadline: float, request: Request
 ) -> StreamEvent | None:
     """The first event of the request's streams: None when the client went away; TimeoutError
     past the deadline (no worker took the job in time)."""
@@ -109,7 +105,13 @@ async def serve_generation(request: Request, body: dict[str, Any], endpoint: End
     state.metrics.inflight_requests.inc()
     is_released_here = True
     try:
-        job_ids = await state.pool.submit(prepared.jobs)
+        try:
+            job_ids = await state.pool.submit(prepared.jobs)
+        except Exception as exc:  # the queue is away: the client may retry, nothing was enqueued
+            logger.warning("enqueueing failed", exc_info=True)
+            raise GatewayError(
+                503, f"the queue did not take the job: {type(exc).__name__}", code="queue_unavailable"
+            ) from None
         enqueued = time.monotonic()
         deadline = enqueued + state.settings.request_timeout_s
         if not prepared.stream:
@@ -123,6 +125,12 @@ async def serve_generation(request: Request, body: dict[str, Any], endpoint: End
                     "ran too long); the job was cancelled",
                     code="timeout",
                 ) from None
+            except Exception as exc:  # the result store is away
+                logger.warning("reading results failed", exc_info=True)
+                await _cancel(state, job_ids, "store_error")
+                raise GatewayError(
+                    503, f"the result store did not answer: {type(exc).__name__}", code="store_unavailable"
+                ) from None
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await _cancel(state, job_ids, "disconnect")
@@ -134,7 +142,7 @@ async def serve_generation(request: Request, body: dict[str, Any], endpoint: End
             return JSONResponse(response_body(prepared, results, tokenizer))
         events, stop = state.pool.open_streams(job_ids, state.settings.request_timeout_s)
         try:
-            first = await _first_event(state, prepared, events, deadline, request)
+            first = await _first_event(events, deadline, request)
         except TimeoutError:
             stop.set()
             await _cancel(state, job_ids, "timeout")

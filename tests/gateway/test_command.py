@@ -83,3 +83,17 @@ def test_the_command_serves_with_keys_from_a_file_and_the_environment(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_queue_at_start_is_one_line_and_exit_code_3():
+    done = subprocess.run(
+        [sys.executable, "-m", "qworker", "gateway", "--port", str(free_port())],
+        env={**os.environ, "QWORKER_QUEUE_URL": "redis://:secret@127.0.0.1:1/0?stream=nowhere"},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "cannot connect to the queue" in done.stderr and "secret" not in done.stderr
+    assert "Traceback" not in done.stderr
