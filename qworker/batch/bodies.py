@@ -31,6 +31,7 @@ from qworker.batch.format import (
     Usage,
 )
 from qworker.batch.rows import Endpoint, RowRequest
+from qworker.batch.structured_fields import forced_tool_calls
 
 
 class LogprobLike(Protocol):
@@ -184,12 +185,17 @@ def chat_completion_body(
             logprobs = choice_logprobs_chat(
                 completion.token_ids, completion.logprobs, row.num_top_logprobs, decode
             )
+        message = AssistantMessage(content=completion.text)
+        finish_reason = _finish_reason(completion)
+        if row.forced_tool is not None and finish_reason == "stop":
+            calls = forced_tool_calls(
+                row.forced_tool, completion.text, f"{row.request_id}/{completion.index}"
+            )
+            if calls is not None:
+                message, finish_reason = AssistantMessage(content=None, tool_calls=calls), "tool_calls"
         choices.append(
             ChatChoice(
-                index=completion.index,
-                message=AssistantMessage(content=completion.text),
-                logprobs=logprobs,
-                finish_reason=_finish_reason(completion),
+                index=completion.index, message=message, logprobs=logprobs, finish_reason=finish_reason
             )
         )
     return ChatCompletion(

@@ -82,9 +82,12 @@ class AssistantMessage(_Strict):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    # A forced tool call (batch/structured_fields.py): [{id, type: function, function: {name,
+    # arguments}}]. Left out of the JSON when there is none, as OpenAI does.
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(_Strict):

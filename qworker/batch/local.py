@@ -93,6 +93,10 @@ class LocalRunner:
             self._in_flight[row.request_id] = row
 
     def _finish(self, row: RowRequest, output: Any) -> None:
+        error = getattr(output, "error", None)
+        if error is not None:  # the engine failed it alone (a grammar that did not compile)
+            self._fail(row.custom_id, row.request_id, RowError(f"{error.type}: {error.message}"))
+            return
         generation = Generation.from_request_output(
             output, with_prompt_logprobs=row.num_prompt_logprobs is not None
         )

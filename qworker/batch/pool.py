@@ -59,6 +59,7 @@ DEFAULT_POOL_MAX_TOKENS = 4096
 ERROR_STATUS = {
     "PromptTooLongError": (400, "context_length_exceeded"),
     "InvalidParamsError": (400, "invalid_request_error"),
+    "StructuredOutputError": (400, "invalid_request_error"),
     "InvalidRequestError": (400, "invalid_request_error"),
     "ValidationError": (400, "invalid_request_error"),
     "InvalidJSON": (400, "invalid_request_error"),

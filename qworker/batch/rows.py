@@ -15,6 +15,7 @@ from typing import Any
 
 from qworker.batch.files import InputRow
 from qworker.batch.format import CHAT_URL, COMPLETIONS_URL, SUPPORTED_URLS, RowError
+from qworker.batch.structured_fields import ForcedTool, output_constraint, tools_system_message
 from qworker.engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 from qworker.errors import InvalidParamsError
 
@@ -47,9 +48,14 @@ PASSTHROUGH_FIELDS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
 )
-CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+CHAT_FIELDS = frozenset(
+    {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
+)
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "logprobs"})
-COMMON_FIELDS = frozenset({"model", "stream", "n", "max_tokens", *PASSTHROUGH_FIELDS})
+# response_format and structured_outputs: structured_fields.py.
+COMMON_FIELDS = frozenset(
+    {"model", "stream", "n", "max_tokens", "response_format", "structured_outputs", *PASSTHROUGH_FIELDS}
+)
 # Accepted and without effect on what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
 # Features qworker does not have: accepted only at the value that means "off".
@@ -58,16 +64,13 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
     "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
 class Endpoint(str, Enum):
@@ -92,8 +95,9 @@ class RowRequest:
     endpoint: Endpoint
     # The name the row asked for (or the first served name): the body's `model`.
     model: str
-    # Chat: the conversation ({role, content} with text content). Completions: the prompt.
-    messages: list[dict[str, str]] | None
+    # Chat: the conversation ({role, content} with text content, and tool_calls / tool_call_id
+    # where the message has them). Completions: the prompt.
+    messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
     # SamplingParams keywords, without max_tokens.
     sampling: dict[str, Any] = field(repr=False)
@@ -105,6 +109,8 @@ class RowRequest:
     num_top_logprobs: int | None = None
     # Completions with echo and logprobs: the same for the prompt's tokens.
     num_prompt_logprobs: int | None = None
+    # A forced tool call: the output is the call, reported as OpenAI's tool_calls.
+    forced_tool: ForcedTool | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(**self.sampling, max_tokens=max_tokens)
@@ -151,7 +157,20 @@ def _text_content(content: Any, where: str) -> str:
     raise RowError(f"{where} must be a string or a list of text parts", param=where)
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def _check_tool_message(message: dict[str, Any], where: str) -> None:
+    """Tool fields in the job schema's shape (ChatMessage: tool_calls on assistant messages, a
+    tool_call_id on tool messages), checked here so that local runs refuse what the pool would."""
+    from pydantic import ValidationError
+
+    from qworker.worker.jobs import ChatMessage, format_validation_error
+
+    try:
+        ChatMessage.model_validate(message)
+    except ValidationError as exc:
+        raise RowError(f"{where}: {format_validation_error(exc)}", param=where) from None
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise RowError("messages must be a non-empty list of {role, content} objects", param="messages")
     messages = []
@@ -165,7 +184,19 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise RowError(f"{where}.role must be a non-empty string", param=f"{where}.role")
-        messages.append({"role": role, "content": _text_content(message.get("content"), f"{where}.content")})
+        parsed: dict[str, Any] = {
+            "role": role,
+            "content": _text_content(message.get("content"), f"{where}.content"),
+        }
+        # Shapes are the job schema's to check (ChatMessage); the row only carries them.
+        for name in ("tool_calls", "tool_call_id"):
+            if message.get(name) is not None:
+                parsed[name] = message[name]
+        if "tool_calls" in parsed or "tool_call_id" in parsed or role == "tool":
+            if message.get("content") is None:
+                parsed["content"] = None
+            _check_tool_message(parsed, where)
+        messages.append(parsed)
     return messages
 
 
@@ -332,6 +363,11 @@ def parse_row(
         if echo and not isinstance(prompt, str) and not echo_token_prompts:
             raise RowError("echo needs a text prompt", param="echo")
     mapped = sampling_kwargs(body, endpoint, echo)
+    constraint = output_constraint(body)
+    if constraint.structured_outputs is not None:
+        mapped.sampling["structured_outputs"] = constraint.structured_outputs
+    if constraint.tools and messages is not None:
+        messages = [tools_system_message(constraint.tools), *messages]
     try:
         # The value checks, now: a bad temperature fails this row before it reaches an engine.
         SamplingParams(**mapped.sampling, max_tokens=mapped.max_tokens or MAX_TOKENS_LIMIT)
@@ -351,6 +387,7 @@ def parse_row(
         echo=echo,
         num_top_logprobs=mapped.num_top_logprobs,
         num_prompt_logprobs=mapped.num_prompt_logprobs,
+        forced_tool=constraint.forced_tool,
     )
 
 

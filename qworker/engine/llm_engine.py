@@ -30,6 +30,7 @@ from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
 from qworker.engine.structured.manager import MAX_FAST_FORWARD_TOKENS, StructuredOutputManager
 from qworker.engine.structured.state import GrammarState, consume, forced_tokens
+from qworker.engine.structured.tool_calls import template_messages
 from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError
 from qworker.model.config import ModelConfig
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
@@ -163,9 +164,10 @@ class LLMEngine:
             f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}"
         )
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not messages:
             raise InvalidRequestError("messages is empty")
+        messages = template_messages(messages, self.tokenizer.chat_template or "")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

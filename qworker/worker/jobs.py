@@ -59,6 +59,8 @@ __all__ = [
     "JobStatus",
     "Timings",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCallFunction",
     "TopLogprob",
     "Usage",
     "completion_result",
@@ -95,11 +97,45 @@ _JOB_ID_NAMESPACE = uuid.UUID("6f1b2c64-8d7e-4c55-9a0e-2f4a3b1c9d10")
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256)
+    # JSON text, as OpenAI sends it.
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A function call an assistant made earlier in the conversation (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
+    """OpenAI's chat message: `content` is required except on an assistant message that made
+    `tool_calls`; a `tool` message answers one call, named by `tool_call_id`."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: ChatRole
-    content: str
+    content: str | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is for assistant messages, not {self.role}")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 def _json_kind(annotation: Any) -> str | None:
