@@ -12,6 +12,8 @@ stage, so a kill keeps what finished) and summarized in OUT/gpu_check.md:
   e2e      a random Llama with the shape of Llama-3.2-1B: offline-mixed scaled up, through the
            engine with and without CUDA graphs and through transformers static batches; decode
            step times; graphs-vs-eager token agreement in bf16
+  cold_start  a worker's time to ready for the 1B-shaped model, by phase, with graph capture;
+           a cold start (empty Triton and qworker caches) and a warm one, each a fresh process
   pytest   (pytest_stage.py) tests/kernels/test_triton_*.py on the GPU, when pytest is installed
 
 `sizes.py` holds what differs between the GPU run and the CPU smoke run (`--cpu-smoke`: every

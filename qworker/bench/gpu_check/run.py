@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from qworker.bench.gpu_check.cold_start import stage_cold_start
 from qworker.bench.gpu_check.e2e import stage_e2e
 from qworker.bench.gpu_check.env import stage_env
 from qworker.bench.gpu_check.kernel_bench import stage_bench
@@ -17,7 +18,7 @@ from qworker.bench.gpu_check.pytest_stage import stage_pytest
 from qworker.bench.gpu_check.report import Report, evaluate_targets
 from qworker.bench.gpu_check.sizes import CPU_SMOKE_SIZES, GPU_SIZES
 
-STAGES = ("env", "kernels", "bench", "parity", "e2e", "pytest")
+STAGES = ("env", "kernels", "bench", "parity", "e2e", "cold_start", "pytest")
 
 
 def run_check(out_dir: Path, *, repo: Path, cpu_smoke: bool, budget_s: float, stages: Sequence[str]) -> int:
@@ -36,6 +37,7 @@ def run_check(out_dir: Path, *, repo: Path, cpu_smoke: bool, budget_s: float, st
         ("bench", lambda: stage_bench(sizes, report, out_dir, repo), 60),
         ("parity", lambda: stage_parity(sizes, report), 45),
         ("e2e", lambda: stage_e2e(sizes, report), 90),
+        ("cold_start", lambda: stage_cold_start(sizes, report), 60),
         ("pytest", lambda: {"skipped": "smoke mode"} if cpu_smoke else stage_pytest(report, repo), 45),
     ]
     for name, fn, min_seconds in plan:
