@@ -128,7 +128,8 @@ class ModelConfig:
         """With longrope: the context past which a sequence takes the long factors, for all of its
         positions (transformers recomputes the cache when a sequence grows past it)."""
         lens = [t.original_max_position_embeddings for t in self.rope_tables if t.long_inv_freq is not None]
-        return min(lens) if lens else None
+        known = [n for n in lens if n is not None]
+        return min(known) if known else None
 
     @property
     def is_prefix_cacheable(self) -> bool:

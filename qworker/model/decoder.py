@@ -4,6 +4,8 @@ each block. Which parts a model has is its ModelConfig; the forward pass reads n
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -106,7 +108,7 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = nn.ModuleList(
             RotaryEmbedding(table, config.head_dim, max_positions, ops) for table in config.rope_tables
         )
-        self.has_long_rope = any(r.has_long_table for r in self.rotary)
+        self.has_long_rope = any(r.has_long_table for r in self.rotaries)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -134,8 +136,8 @@ class DecoderForCausalLM(nn.Module):
             lens = meta.request_lens if meta.request_lens is not None else meta.seq_lens
             token_seq_lens = torch.repeat_interleave(lens, query_lens, output_size=input_ids.shape[0])
         if self.config.norm_placement is NormPlacement.SANDWICH:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                rotary = self.rotary[layer.self_attn.rope_table]
+            for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
+                rotary = self.rotaries[layer.self_attn.rope_table]
                 attn = layer.self_attn(
                     positions, layer.input_layernorm(hidden), rotary, token_seq_lens, kv_cache, meta, backend
                 )
@@ -145,18 +147,26 @@ class DecoderForCausalLM(nn.Module):
             return self.norm(hidden)
         # Each residual add is fused into the norm that follows it: hidden, residual [T, hidden].
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
             if residual is None:
                 residual, hidden = hidden, layer.input_layernorm(hidden)
             else:
                 hidden, residual = layer.input_layernorm.add_and_norm(hidden, residual)
-            rotary = self.rotary[layer.self_attn.rope_table]
+            rotary = self.rotaries[layer.self_attn.rope_table]
             hidden = layer.self_attn(positions, hidden, rotary, token_seq_lens, kv_cache, meta, backend)
             hidden, residual = layer.post_attention_layernorm.add_and_norm(hidden, residual)
             hidden = layer.mlp(hidden)
         if residual is None:
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))
+
+    @property
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return cast(list[RotaryEmbedding], list(self.rotary))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

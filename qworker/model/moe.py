@@ -101,10 +101,16 @@ class SparseMoe(nn.Module):
         # The router, unpacked: the same F.linear as transformers, so that near-ties route alike.
         self.gate = Linear(hidden_size, config.num_experts, bias=False, pack=False)
         self.experts = Experts(hidden_size, config)
-        self._fused_moe = load_fused_moe() if activation is Activation.SILU else None
+        # Looked up at the first CUDA forward, not here: importing the kernel decorates it, and
+        # triton reads TRITON_INTERPRET then. SiLU only: the kernel computes silu(gate) * up.
+        self._fused_moe: FusedMoe | None = None
+        self._is_fused_moe_looked_up = activation is not Activation.SILU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = route(self.gate(x), self.config, x.dtype)
+        if x.is_cuda and not self._is_fused_moe_looked_up:
+            self._fused_moe = load_fused_moe()
+            self._is_fused_moe_looked_up = True
         if self._fused_moe is not None and x.is_cuda:
             return self._fused_moe(
                 x, self.experts.gate_up_proj, self.experts.down_proj, weights.float(), expert_ids

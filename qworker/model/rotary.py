@@ -18,6 +18,10 @@ def _cos_sin(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tupl
 
 
 class RotaryEmbedding(nn.Module):
+    # [max_positions (twice that with longrope), rotary_dim // 2] float32
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(
         self, table: RopeTable, head_dim: int, max_positions: int, ops: ModelOps = TORCH_OPS
     ) -> None:
