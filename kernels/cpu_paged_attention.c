@@ -560,11 +560,10 @@ static inline __attribute__((always_inline)) void run_unit_impl(const Params *p,
             // that the core can overlap.
             const int64_t h0 = kvh * G;
             group_scores(s->qs + h0 * D, krow, n8, D, G, C, s->sc, bf16, &pf);
-            if (p->has_soft_cap) {
-                const float cap = p->soft_cap, inv_cap = 1.0f / p->soft_cap;
+            if (p->has_soft_cap)  // padding lanes too: softmax_step masks them after
                 for (int64_t g = 0; g < G; g++)
-                    for (int64_t t = 0; t < n; t++) s->sc[g * C + t] = cap * tanhf(s->sc[g * C + t] * inv_cap);
-            }
+                    for (int64_t t = 0; t < n8; t += 8)
+                        storeu8(s->sc + g * C + t, vsoft_cap8(loadu8(s->sc + g * C + t), p->soft_cap));
             for (int64_t g = 0; g < G; g++)
                 s->alpha[g] = softmax_step(s->sc + g * C, s->pr + g * C, n, n8, s->m + h0 + g, s->l + h0 + g);
             group_pv(s->acc + h0 * D, s->alpha, s->pr, C, vrow, n, D, G, bf16, &pf);

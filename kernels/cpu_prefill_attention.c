@@ -265,10 +265,8 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
         for (int64_t r = 0; r < QT; r++) {
             float *sr = w->s + r * KB;
             const int64_t pos = pos0 + (r < rows ? r : rows - 1);
-            if (p->has_soft_cap) {
-                const float cap = p->soft_cap, inv_cap = 1.0f / p->soft_cap;
-                for (int64_t c = 0; c < kb; c++) sr[c] = cap * tanhf(sr[c] * inv_cap);
-            }
+            if (p->has_soft_cap)  // the whole block: keys past kb are masked below
+                for (int c = 0; c < KB; c += 16) storeu16(sr + c, vsoft_cap16(loadu16(sr + c), p->soft_cap));
             // Keys past the query's position (and past the block's end), and keys before its
             // window, are masked.
             const int64_t visible = pos - j0 + 1 < kb ? pos - j0 + 1 : kb;

@@ -91,6 +91,20 @@ QW_DEFINE_VEXP_NONPOS(vexp_nonpos8, v8f, v8i, splat8, vmax8)
 QW_DEFINE_VEXP_NONPOS(vexp_nonpos16, v16f, v16i, splat16, vmax16)
 #undef QW_DEFINE_VEXP_NONPOS
 
+// cap * tanh(x / cap) for the logits soft-cap, from one vexp_nonpos of -2|x| / cap: tanh|y| =
+// (1 - e) / (1 + e) with e = exp(-2|y|) <= 1, no overflow; the sign is x's. Absolute error a few
+// ulp of cap (the 1 - e near y = 0), far below the scores' own rounding.
+#define QW_DEFINE_VSOFT_CAP(name, vf, vi, splat, vmax, vexp)                      \
+    static inline vf name(vf x, float cap) {                                     \
+        const vf ax = vmax(x, -x);                                                \
+        const vf e = vexp(ax * splat(-2.0f / cap));                               \
+        const vf t = (splat(1.0f) - e) / (splat(1.0f) + e) * splat(cap);          \
+        return (vf)((vi)t | ((vi)x & (vi)splat(-0.0f)));                          \
+    }
+QW_DEFINE_VSOFT_CAP(vsoft_cap8, v8f, v8i, splat8, vmax8, vexp_nonpos8)
+QW_DEFINE_VSOFT_CAP(vsoft_cap16, v16f, v16i, splat16, vmax16, vexp_nonpos16)
+#undef QW_DEFINE_VSOFT_CAP
+
 // Horizontal sum and max by halving: lanes i and i + w combined, w = 4, 2, 1 (16 lanes: 8 first).
 static inline float hsum8(v8f x) {
     const v8i h4 = {4, 5, 6, 7, 0, 1, 2, 3}, h2 = {2, 3, 0, 1, 6, 7, 4, 5}, h1 = {1, 0, 3, 2, 5, 4, 7, 6};
