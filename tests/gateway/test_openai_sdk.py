@@ -304,3 +304,40 @@ def test_metrics_count_requests_by_route_and_status(gateway, sdk, worker):
     )
     assert metric_value(text, "qworker_gateway_enqueue_to_first_token_seconds_count") >= 1
     assert metric_value(text, "qworker_gateway_inflight_streams") == 0
+
+
+@pytest.mark.timeout(120)
+def test_streaming_n_and_logprobs_assemble_to_the_stored_outputs(sdk, store, worker):
+    """Choice 0 streams live; the other completions of n and the logprobs (which the delta stream
+    does not carry) arrive when the job ends; each choice assembles to its stored completion."""
+    chunks = list(
+        sdk.chat.completions.create(
+            model="smollm2",
+            messages=CHAT,
+            max_tokens=5,
+            temperature=0.8,
+            seed=3,
+            n=2,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
+    texts = {0: "", 1: ""}
+    logprobs: dict[int, list] = {0: [], 1: []}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                logprobs[choice.index] += choice.logprobs.content
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    result = store.result(job_id_of(chunks[0].id), timeout=10)
+    for completion in result.outputs:
+        assert texts[completion.index] == completion.text
+        assert [p.logprob for p in logprobs[completion.index]] == pytest.approx(
+            [p.logprob for p in completion.logprobs]
+        )
+        assert all(len(p.top_logprobs) == 2 for p in logprobs[completion.index])
+        assert finish[completion.index] == completion.finish_reason
