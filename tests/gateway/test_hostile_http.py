@@ -5,6 +5,7 @@ is left waiting or held."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -25,8 +26,9 @@ from tests.gateway.conftest import serve_app
 
 KEY = "sk-hostile-" + uuid.uuid4().hex
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# Examples per operation: the whole run stays within a few seconds on 2 cores.
-MAX_EXAMPLES = 12
+# Examples per operation: the whole run stays within a few seconds on 2 cores. The longer run:
+#   QWORKER_GATEWAY_FUZZ_EXAMPLES=1000 .venv/bin/python -m pytest tests/gateway/test_hostile_http.py -k fuzz
+MAX_EXAMPLES = int(os.environ.get("QWORKER_GATEWAY_FUZZ_EXAMPLES", "12"))
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def api_schema(app):
     return schemathesis.openapi.from_dict(app.openapi())
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(max(240, MAX_EXAMPLES * 20))
 def test_fuzzed_requests_never_get_a_500(api_schema, served):
     """Every operation of the published schema, MAX_EXAMPLES generated requests each. (Driven
     through hypothesis directly: schemathesis' pytest plugin does not load on this pytest.)"""
