@@ -118,3 +118,34 @@ def test_the_installed_package_generates_offline(installed, tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert installed in Path(result["qworker"]).parents
     assert len(result["token_ids"]) == 4
+
+
+def test_the_installed_worker_serves_one_job_from_a_queue(installed, tmp_path):
+    """The CPU image's install path end to end: the wheel's `qworker worker` takes a job from a
+    Redis stream, stores its result, and exits (--burst)."""
+    from qworker.worker.client import Client
+    from qworker.worker.testing import cleanup, redis_base_url, unique_url
+
+    model_dir = write_tiny_model_dir(tmp_path / "tiny-llama")
+    url = unique_url(redis_base_url(), "wheel")
+    client = Client(queue=url)
+    job_id = client.submit({"prompt_token_ids": [1, 5, 9], "params": {"max_tokens": 4, "ignore_eos": True}})
+    try:
+        worker = [
+            str(installed / "bin" / "qworker"),
+            "worker",
+            "--burst",
+            "--queue",
+            url,
+            "--model",
+            str(model_dir),
+        ]
+        run([*worker, "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "16"], tmp_path)
+        result = client.result(job_id, timeout=10)
+        assert result.status == "completed", result.error
+        assert len(result.token_ids) == 4
+    finally:
+        import redis
+
+        cleanup(redis.Redis.from_url(url.split("?", 1)[0]), url)
+        client.close()
