@@ -50,20 +50,42 @@ def model_dir(name: str, root: Path) -> Path:
     return path
 
 
+# offline-mixed's shape at half its lengths: both systems finish on a shared 2-core machine.
+WORKLOAD = {
+    "name": "families-offline",
+    "about": "Every request at t=0; prompts 32-256 and outputs 16-128 random tokens (ignore_eos).",
+    "num_requests": 32,
+    "arrival": {"process": "all_at_once"},
+    "prompt_len": {"dist": "uniform", "min": 32, "max": 256},
+    "output_len": {"dist": "uniform", "min": 16, "max": 128},
+    "shared_prefix_len": 0,
+    "temperature": 0.0,
+    "ignore_eos": True,
+    "seed": 0,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path("/tmp/qworker-bench-families"))
     parser.add_argument("--out", type=Path, default=Path("bench_out/families"))
-    parser.add_argument("--workload", default="offline-mixed")
+    parser.add_argument(
+        "--workload", default=None, help="a packaged workload or spec file (default: WORKLOAD)"
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--models", default=",".join(BENCH_MODELS))
     args = parser.parse_args()
+    workload = args.workload
+    if workload is None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        workload = str(args.out / "families-offline.json")
+        Path(workload).write_text(json.dumps(WORKLOAD, indent=2))
     for name in args.models.split(","):
         path = model_dir(name, args.root)
         out = args.out / name
         command = [
-            sys.executable, "-m", "qworker", "bench", "--model", str(path), "--workload", args.workload,
+            sys.executable, "-m", "qworker", "bench", "--model", str(path), "--workload", workload,
             "--systems", "qworker,hf-static", "--num-requests", str(args.num_requests),
             "--dtype", args.dtype, "--out", str(out), "--no-compute-limit", "--no-plots", "--no-progress",
         ]  # fmt: skip

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qworker.model.config import Activation, MoeConfig
-from qworker.model.linear import Linear
+from qworker.model.linear import Linear, PackedWeight, is_packing_available
 from qworker.model.mlp import gated_activation
 from qworker.model.ops import TORCH_OPS, ModelOps
 
@@ -53,30 +54,48 @@ def grouped_experts(
     expert_ids: torch.Tensor,
     activation: Activation,
     ops: ModelOps,
+    packed: tuple[list[PackedWeight], list[PackedWeight]] | None = None,
 ) -> torch.Tensor:
     """x: [T, H], w_gate_up: [E, 2I, H], w_down: [E, H, I], weights/expert_ids: [T, K] -> [T, H].
 
-    The (token, expert) pairs are sorted by expert; each expert with tokens runs one matmul over
-    its rows. Outputs are summed in expert order, as transformers' loop does."""
-    top_k = expert_ids.shape[1]
+    The (token, expert) pairs are sorted by expert; each expert with tokens runs one matmul pair
+    over its rows (through `packed`, per-expert packed copies of the weights, when given). Each
+    token's K outputs are then summed in ascending expert order, the order of transformers' loop
+    (its index_add_ into zeros rounds the same way), without index_add_: in bf16 on the CPU that
+    took a quarter of a tiny MoE's step."""
+    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # [T * K] pair indices, grouped by expert
     token_of_pair = order // top_k
     sorted_weights = weights.reshape(-1)[order]
     counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
     gathered = x[token_of_pair]  # [T * K, H]
-    out = torch.zeros_like(x)
+    pair_out = torch.empty_like(gathered)  # [T * K, H], in expert order
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        hidden = gated_activation(
-            torch.nn.functional.linear(gathered[rows], w_gate_up[expert]), activation, ops
-        )
-        expert_out = torch.nn.functional.linear(hidden, w_down[expert]) * sorted_weights[rows, None]
-        out.index_add_(0, token_of_pair[rows], expert_out.to(out.dtype))
+        if packed is None:
+            gate_up = F.linear(gathered[rows], w_gate_up[expert])
+        else:
+            gate_up = packed[0][expert].linear(gathered[rows], w_gate_up[expert])
+        hidden = gated_activation(gate_up, activation, ops)
+        if packed is None:
+            down = F.linear(hidden, w_down[expert])
+        else:
+            down = packed[1][expert].linear(hidden, w_down[expert])
+        pair_out[rows] = (down * sorted_weights[rows, None]).to(x.dtype)
         start += count
+    # Back to [T, K, H] by pair, then each token's K slots in ascending expert id.
+    by_pair = torch.empty_like(pair_out)
+    by_pair[order] = pair_out
+    by_expert = by_pair.view(num_tokens, top_k, -1).gather(
+        1, torch.argsort(expert_ids, dim=1)[:, :, None].expand(-1, -1, x.shape[1])
+    )
+    out = by_expert[:, 0]
+    for k in range(1, top_k):
+        out = out + by_expert[:, k]
     return out
 
 
@@ -88,6 +107,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num, hidden_size, size))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        # Per expert, the CPU's packed copy of its weights (see qworker.model.linear).
+        is_packed = is_packing_available()
+        self.packed = (
+            [PackedWeight(is_packed) for _ in range(num)],
+            [PackedWeight(is_packed) for _ in range(num)],
+        )
 
 
 class SparseMoe(nn.Module):
@@ -123,4 +148,5 @@ class SparseMoe(nn.Module):
             expert_ids,
             self.activation,
             self.ops,
+            self.experts.packed,
         )
