@@ -18,7 +18,7 @@ from qworker.batch.pool import job_for
 from qworker.batch.rows import Endpoint, RowRequest, parse_row
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.settings import GatewaySettings
-from qworker.gateway.tokenizer import GatewayTokenizer
+from qworker.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
 from qworker.worker.demand import MESSAGE_OVERHEAD_TOKENS, job_blocks
 from qworker.worker.jobs import MAX_JOB_BYTES, MAX_PRIORITY, MIN_PRIORITY, Job, encode_job
 
@@ -115,7 +115,12 @@ def count_prompt_tokens(row: RowRequest, tokenizer: GatewayTokenizer | None) -> 
         return len(row.prompt)
     if tokenizer is not None:
         if row.messages is not None and tokenizer.chat_template:
-            return len(tokenizer.encode(tokenizer.render_chat(row.messages), add_special_tokens=False))
+            try:
+                text = tokenizer.render_chat(row.messages)
+            except ChatTemplateError as exc:
+                # The worker would fail the job the same way: say so now.
+                raise GatewayError(400, str(exc), param="messages") from None
+            return len(tokenizer.encode(text, add_special_tokens=False))
         if isinstance(row.prompt, str):
             return len(tokenizer.encode(row.prompt))
     texts = [m["content"] for m in row.messages or []] if row.messages is not None else [row.prompt or ""]

@@ -29,6 +29,10 @@ class TokenizerNotFoundError(QworkerError, ValueError):
     """No tokenizer.json where the settings point."""
 
 
+class ChatTemplateError(QworkerError, ValueError):
+    """Messages the chat template cannot render (none, or the template refused them)."""
+
+
 def cache_root() -> Path:
     root = os.environ.get("QWORKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "qworker")
     return Path(root)
@@ -110,14 +114,18 @@ class GatewayTokenizer:
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template applied as transformers' apply_chat_template does (jinja2, sandboxed)."""
         if not self.chat_template:
-            raise TokenizerNotFoundError(f"{self.path} has no chat template")
+            raise ChatTemplateError(f"the tokenizer in {self.path} has no chat template")
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special
-        )
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **special
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
 
     def info(self) -> dict[str, Any]:
         """vLLM's /tokenizer_info: the tokenizer config's special tokens and the chat template."""

@@ -197,6 +197,9 @@ def test_byte_tokenizer_matches_the_fake_engine(served):
     tokens = post(served, "/tokenize", b'{"prompt": "hi \xc3\xa9"}').json()["tokens"]
     assert tokens == list("hi é".encode())
     assert post(served, "/detokenize", b'{"tokens": [104, 105]}').json() == {"prompt": "hi"}
+    # This tokenizer has no chat template: messages are a 400, not a 500 (found by the fuzzer).
+    no_template = post(served, "/tokenize", b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert no_template.status_code == 400 and no_template.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.timeout(30)

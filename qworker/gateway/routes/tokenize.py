@@ -12,6 +12,7 @@ from qworker.batch.rows import parse_messages
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.schemas import DetokenizeRequest, TokenizeRequest
 from qworker.gateway.state import check_model, gateway_state
+from qworker.gateway.tokenizer import ChatTemplateError
 
 router = APIRouter(tags=["tokenizer"])
 # A prompt to tokenize is bounded as a job's is (qworker.worker.jobs.MAX_PROMPT_CHARS).
@@ -30,7 +31,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             messages = parse_messages([m.model_dump(exclude_unset=True) for m in body.messages])
         except RowError as exc:
             raise GatewayError.from_row_error(exc) from None
-        text = tokenizer.render_chat(messages, body.add_generation_prompt)
+        try:
+            text = tokenizer.render_chat(messages, body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise GatewayError(400, str(exc), param="messages") from None
         add_special_tokens = False  # the template wrote them
     else:
         assert body.prompt is not None
