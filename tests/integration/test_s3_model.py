@@ -282,6 +282,8 @@ def test_two_workers_starting_at_once_download_the_model_once(bucket, cache_dir,
     assert worker.wait(timeout=100) == 0, logs[0].read_text()[-3000:]
     texts = [log.read_text() for log in logs]
     assert " ready" in texts[0], texts[0]
+    # The worker's start, by phase: the weights phase is where the S3 download (or the wait) went.
+    assert re.search(r"startup: import [\d.]+s, queue_connect [\d.]+s, weights [\d.]+s, ", texts[0]), texts[0]
     assert bucket.object_gets() == {p.name: 1 for p in bucket.model_dir.iterdir()}
     # One downloads; the other waits on the lock, then reuses what the first fetched.
     assert sum(bool(re.search(r"downloading \d+ files", text)) for text in texts) == 1, texts
