@@ -192,9 +192,9 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
         for name in ("tool_calls", "tool_call_id"):
             if message.get(name) is not None:
                 parsed[name] = message[name]
+        # content stays text ("" beside tool_calls, as OpenAI's null reads): every chat template
+        # can render it, and the engine writes the calls in for templates that ignore tool_calls.
         if "tool_calls" in parsed or "tool_call_id" in parsed or role == "tool":
-            if message.get("content") is None:
-                parsed["content"] = None
             _check_tool_message(parsed, where)
         messages.append(parsed)
     return messages
