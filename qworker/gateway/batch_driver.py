@@ -125,25 +125,29 @@ class BatchDriver:
         self.records.put(BATCH_KIND, batch["id"], {"owner": owner, "batch": batch})
 
     def _drive(self, batch_id: str) -> None:
-        try:
-            loaded = self._load(batch_id)
-            if loaded is None or is_terminal(loaded[0]):
-                self.records.deactivate(BATCH_KIND, batch_id)
-                return
-            batch, owner = loaded
-            if batch["status"] == BatchStatus.CANCELLING.value and batch["in_progress_at"] is None:
-                self._finish(batch, owner, BatchStatus.CANCELLED)  # cancelled before it was validated
-                return
-            if batch["status"] == BatchStatus.VALIDATING.value and not self._validate(batch, owner):
-                return
-            self._run(batch, owner)
-        except _Stop:
-            logger.info("batch %s: lease lost, another replica carries it on", batch_id)
+        with self.leases.held(BATCH_KIND, batch_id) as lost:
+            try:
+                self._drive_held(batch_id, lost)
+            except _Stop:
+                logger.info("batch %s: lease lost, another replica carries it on", batch_id)
+            except Exception:
+                logger.exception("batch %s: driving failed; it is retried", batch_id)
+
+    def _drive_held(self, batch_id: str, lost: threading.Event) -> None:
+        loaded = self._load(batch_id)
+        if loaded is None or is_terminal(loaded[0]):
+            self.records.deactivate(BATCH_KIND, batch_id)
             return
-        except Exception:
-            logger.exception("batch %s: driving failed; it is retried", batch_id)
-        finally:
-            self.leases.release(BATCH_KIND, batch_id)
+        batch, owner = loaded
+        logger.info("batch %s: driving it (%s)", batch_id, batch["status"])
+        if batch["status"] == BatchStatus.CANCELLING.value and batch["in_progress_at"] is None:
+            self._finish(batch, owner, BatchStatus.CANCELLED)  # cancelled before it was validated
+            return
+        if batch["status"] == BatchStatus.VALIDATING.value and not self._validate(batch, owner):
+            return
+        if lost.is_set():
+            raise _Stop()
+        self._run(batch, owner, lost)
 
     def _finish(self, batch: dict[str, Any], owner: str, status: BatchStatus) -> None:
         set_status(batch, status)
@@ -191,7 +195,7 @@ class BatchDriver:
         self._save(batch, owner)
         return True
 
-    def _run(self, batch: dict[str, Any], owner: str) -> None:
+    def _run(self, batch: dict[str, Any], owner: str, lost: threading.Event) -> None:
         batch_id = batch["id"]
         output_file = OutputFile(
             parse_location(str(self.work_dir / f"{batch_id}.output.jsonl")), self.work_dir
@@ -218,14 +222,12 @@ class BatchDriver:
 
         def should_stop() -> bool:
             nonlocal last_check
+            if lost.is_set() or self._closing.is_set():
+                raise _Stop()
             now = time.monotonic()
             if now - last_check < CHECK_INTERVAL_S:
                 return False
             last_check = now
-            if not self.leases.extend(BATCH_KIND, batch_id):
-                raise _Stop()
-            if self._closing.is_set():
-                raise _Stop()
             if self.records.redis.exists(cancel_flag_key(self.records, batch_id)):
                 stop_reason.append(BatchStatus.CANCELLING)
                 if batch["status"] != BatchStatus.CANCELLING.value:

@@ -3,11 +3,18 @@ workers lease jobs. A lease is `SET key token NX PX ttl`; the holder extends it 
 and releases it when done, both only while the key still holds its own token (one Lua call
 each). A replica that is killed stops extending: its lease expires after `ttl`, and another
 replica (or its own restart) takes the work on from the state in the store.
+
+The holder extends from a heartbeat thread of its own (`held`), every third of the ttl, so a
+slow step of the work (a sweep of thousands of pending results, the check of a large file) never
+lets the lease lapse while the process lives.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from qworker.gateway.records import Records
@@ -54,3 +61,30 @@ class Leases:
 
     def release(self, kind: str, object_id: str) -> None:
         self._release(keys=[self._key(kind, object_id)], args=[self.token])
+
+    @contextmanager
+    def held(self, kind: str, object_id: str) -> Iterator[threading.Event]:
+        """While the block runs, a thread extends the lease (taken already). The event is set
+        once the lease is lost (another replica holds it): the block should stop at once. The
+        lease is released at the end."""
+        lost = threading.Event()
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.ttl_ms / 3000):
+                try:
+                    if not self.extend(kind, object_id):
+                        lost.set()
+                        return
+                except Exception:  # the store is away: the lease may lapse; the work notices
+                    continue
+
+        thread = threading.Thread(target=beat, name=f"lease-{object_id[-8:]}", daemon=True)
+        thread.start()
+        try:
+            yield lost
+        finally:
+            done.set()
+            thread.join(timeout=5)
+            if not lost.is_set():
+                self.release(kind, object_id)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from tests.integration.batch_support import (
     write_batch_model_dir,
     write_jsonl,
 )
+from tests.integration.conftest import moto_server  # noqa: F401 - a fixture
 
 KEY_A = "sk-batch-a-0123456789"
 KEY_B = "sk-batch-b-0123456789"
@@ -143,32 +145,37 @@ def local_lines(pool):
 
 
 class GatewayProcess:
-    """`qworker gateway` in a subprocess on a fixed port; kill() and start() replace it."""
+    """One replica: `qworker gateway` in a subprocess on a fixed port. kill() SIGKILLs it; start()
+    starts it again, with the cache (staging) folder it had (a restart) or a new one (a
+    replacement on another machine)."""
 
-    def __init__(self, url: str, root: Path) -> None:
+    def __init__(self, url: str, files_url: str, root: Path, name: str) -> None:
         self.queue_url = url
+        self.files_url = files_url
         self.root = root
+        self.name = name
         self.port = free_port()
         self.process: subprocess.Popen | None = None
         self.num_starts = 0
+        self.num_caches = 0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self) -> None:
+    def start(self, new_cache: bool = False) -> None:
         self.num_starts += 1
-        # Each start has its own cache (staging) folder: a replacement on another machine.
+        self.num_caches += new_cache or self.num_caches == 0
         env = {
             **os.environ,
             "QWORKER_API_KEYS": f"{KEY_A},{KEY_B}",
-            "QWORKER_CACHE_DIR": str(self.root / f"cache-{self.num_starts}"),
+            "QWORKER_CACHE_DIR": str(self.root / f"{self.name}-cache-{self.num_caches}"),
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
-        log = open(self.root / f"gateway-{self.num_starts}.log", "w")  # noqa: SIM115 - the process owns it
+        log = open(self.log_path, "w")  # noqa: SIM115 - the process owns it
         args = ["--queue", self.queue_url, "--port", str(self.port), "--model", MODEL_NAME]
-        args += ["--files-url", str(self.root / "files"), "--batch-lease-s", "2"]
+        args += ["--files-url", self.files_url, "--batch-lease-s", "2"]
         args += ["--max-file-bytes", str(MAX_FILE_BYTES), "--max-file-rows", str(MAX_FILE_ROWS)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "qworker.cli", "gateway", *args],
@@ -187,8 +194,18 @@ class GatewayProcess:
             time.sleep(0.1)
         raise TimeoutError(f"the gateway did not start:\n{self.log_text()}")
 
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.name}-{self.num_starts}.log"
+
     def log_text(self) -> str:
-        return (self.root / f"gateway-{self.num_starts}.log").read_text()[-4000:]
+        return self.log_path.read_text()[-4000:]
+
+    def is_driving(self, batch_id: str) -> bool:
+        """The replica's latest word on the batch is that it drives it (a lease can move between
+        live replicas, when one stalls past the lease on a loaded machine)."""
+        text = self.log_path.read_text()
+        return text.rfind(f"batch {batch_id}: driving") > text.rfind(f"batch {batch_id}: lease lost")
 
     def kill(self) -> None:
         assert self.process is not None
@@ -202,8 +219,22 @@ class GatewayProcess:
 
 
 @pytest.fixture(scope="module")
-def gateway(pool_url, tmp_path_factory):
-    served = GatewayProcess(pool_url, tmp_path_factory.mktemp("gw-batch-gateway"))
+def files_bucket(moto_server):  # noqa: F811 - the imported fixture
+    """The replicas' file store: a bucket on the moto server (S3, as several replicas need)."""
+    bucket = f"qw-files-{uuid.uuid4().hex[:10]}"
+    moto_server.client("s3").create_bucket(Bucket=bucket)
+    return bucket, f"s3://{bucket}/files?{moto_server.query}", moto_server.client("s3")
+
+
+def stored_keys(files_bucket) -> set[str]:
+    bucket, _, s3 = files_bucket
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return {item["Key"] for page in pages for item in page.get("Contents") or []}
+
+
+@pytest.fixture(scope="module")
+def gateway(pool_url, files_bucket, tmp_path_factory):
+    served = GatewayProcess(pool_url, files_bucket[1], tmp_path_factory.mktemp("gw-batch-gateway"), "a")
     served.start()
     yield served
     served.stop()
@@ -331,29 +362,64 @@ def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
     assert done.cancelled_at >= done.cancelling_at
 
 
-@pytest.mark.timeout(150)
-def test_a_gateway_sigkilled_mid_batch_is_replaced_and_no_row_runs_twice(gateway, worker, pool_url):
-    client = sdk(gateway)
-    rows = mixed_rows(120, seed=7)
-    rows = [row for row in rows if row["url"] == COMPLETIONS_URL]
+def run_killing_the_driver(
+    pool_url: str, worker: Path, replicas: list[GatewayProcess], seed: int, restart: bool
+) -> set[str]:
+    """A batch created on replicas[0]; once 10 rows are done, the replica driving it is SIGKILLed
+    (and, with `restart`, started again with its work directory). The batch completes with one
+    line per custom_id, every row enqueued once and none run to completion twice. Returns the
+    names of the replicas that drove it."""
+    client = sdk(replicas[0])
+    rows = [row for row in mixed_rows(90, seed=seed) if row["url"] == COMPLETIONS_URL]
     num_before = entries_added(pool_url)
     batch = client.batches.create(
         input_file_id=upload(client, rows), endpoint=COMPLETIONS_URL, completion_window="24h"
     )
     deadline = time.monotonic() + 60
     while client.batches.retrieve(batch.id).request_counts.completed < 10:
-        assert time.monotonic() < deadline, gateway.log_text()
+        assert time.monotonic() < deadline, replicas[0].log_text()
         time.sleep(0.05)
-    gateway.kill()
-    gateway.start()  # another cache folder: the replacement rebuilds the output from the store
-    done = wait_for(sdk(gateway), batch.id, {"completed", "failed"}, timeout_s=120)
+    [driver] = [r for r in replicas if r.is_driving(batch.id)]
+    assert client.batches.retrieve(batch.id).request_counts.completed < len(rows), "killed midway"
+    driver.kill()
+    if restart:
+        driver.start()
+    survivor = next(r for r in replicas if r.process is not None and r.process.poll() is None)
+    done = wait_for(sdk(survivor), batch.id, {"completed", "failed"}, timeout_s=120)
     assert done.status == "completed", done
-    lines = output_lines(sdk(gateway), done.output_file_id)
+    lines = output_lines(sdk(survivor), done.output_file_id)
     assert sorted(line.custom_id for line in lines) == sorted(row["custom_id"] for row in rows)
-    assert done.request_counts.completed == len(rows)
+    assert done.request_counts.model_dump() == {"total": len(rows), "completed": len(rows), "failed": 0}
     # Every row was put on the queue once, and none ran to completion twice.
     assert entries_added(pool_url) - num_before == len(rows)
     assert "already had a result" not in worker.read_text()
+    return {r.name for r in replicas if f"batch {batch.id}: driving" in r.log_path.read_text()} | {
+        driver.name
+    }
+
+
+@pytest.mark.timeout(150)
+def test_a_gateway_sigkilled_mid_batch_and_restarted_completes_it(gateway, worker, pool_url):
+    """One replica, killed and started again on its work directory: it resumes the batch."""
+    run_killing_the_driver(pool_url, worker, [gateway], seed=7, restart=True)
+    assert "driving it (in_progress)" in gateway.log_text(), "the restart carried the batch on"
+
+
+@pytest.mark.timeout(150)
+def test_two_replicas_one_sigkilled_mid_batch_the_other_completes_it(
+    gateway, worker, pool_url, files_bucket, tmp_path
+):
+    """Two replicas on one queue and one S3 file store; the one driving the batch is killed, and
+    the other (with none of its files) takes the batch once the lease lapses."""
+    second = GatewayProcess(pool_url, files_bucket[1], tmp_path, "b")
+    second.start()
+    try:
+        drivers = run_killing_the_driver(pool_url, worker, [gateway, second], seed=11, restart=False)
+        assert drivers == {"a", "b"}
+    finally:
+        second.stop()
+        if gateway.process is not None and gateway.process.poll() is not None:
+            gateway.start(new_cache=True)
 
 
 @pytest.mark.timeout(60)
@@ -409,10 +475,10 @@ def test_bad_files_fail_with_their_line_numbers(gateway):
 
 
 @pytest.mark.timeout(60)
-def test_limits_unknown_files_and_idempotency_keys(gateway):
+def test_limits_unknown_files_and_idempotency_keys(gateway, files_bucket):
     client = sdk(gateway)
     before = {f.id for f in client.files.list().data}
-    stored_before = set(os.listdir(gateway.root / "files"))
+    stored_before = stored_keys(files_bucket)
     with pytest.raises(openai.APIStatusError) as too_big:
         client.files.create(file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE_BYTES + 1))), purpose="batch")
     assert too_big.value.status_code == 413
@@ -420,7 +486,7 @@ def test_limits_unknown_files_and_idempotency_keys(gateway):
         client.files.create(file=("rows.jsonl", io.BytesIO(b"{}\n" * (MAX_FILE_ROWS + 1))), purpose="batch")
     assert too_many.value.status_code == 413
     assert {f.id for f in client.files.list().data} == before
-    assert set(os.listdir(gateway.root / "files")) == stored_before, "nothing of a refused upload is stored"
+    assert stored_keys(files_bucket) == stored_before, "nothing of a refused upload is stored"
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint=CHAT_URL, completion_window="24h")
     with pytest.raises(openai.BadRequestError):
