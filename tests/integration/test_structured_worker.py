@@ -13,6 +13,7 @@ import json
 import re
 import uuid
 
+import jsonschema
 import pytest
 import redis as redis_lib
 from hypothesis import HealthCheck, given, settings
@@ -211,3 +212,110 @@ def test_fuzzed_constraint_fields_in_rows_are_a_row_error_or_a_runnable_row(
         assert params.structured_outputs is not None and params.structured_outputs.kind == "json"
     elif structured is None:
         assert params.structured_outputs is None
+
+
+SMALL_PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+CALL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]},
+    },
+}
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_file_with_response_format_and_tool_rows(tmp_path):
+    """`qworker batch` (local mode, the tiny model with SmolLM2's tokenizer): response_format,
+    structured_outputs and forced-tool rows run constrained; refused rows get 400 lines."""
+    from typer.testing import CliRunner
+
+    from qworker import cli
+    from tests.integration.batch_support import (
+        CHAT_URL,
+        MODEL_NAME,
+        batch_row,
+        engine_flags,
+        read_output,
+        write_batch_model_dir,
+        write_jsonl,
+    )
+
+    model_dir = write_batch_model_dir(tmp_path / "model")
+
+    def chat(custom_id: str, **fields) -> dict:
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "A person?"}],
+            "max_tokens": 48,
+            **fields,
+        }
+        return batch_row(custom_id, CHAT_URL, body)
+
+    schema_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": SMALL_PERSON, "strict": True},
+    }
+    compact = {"json": SMALL_PERSON, "disable_any_whitespace": True}
+    rows = [
+        chat("schema", response_format=schema_format, temperature=0),
+        chat("schema-n3", response_format=schema_format, temperature=1.0, seed=3, n=3),
+        chat("compact", structured_outputs=compact, temperature=0),
+        chat("object", response_format={"type": "json_object"}, max_tokens=8),
+        chat("text", response_format={"type": "text"}, max_tokens=4),
+        chat("tool", tools=[CALL], tool_choice="required", temperature=0),
+        chat("auto", tools=[CALL], tool_choice="auto"),
+        chat("two", response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+        chat(
+            "refused",
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
+        ),
+    ]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    flags = ["-i", str(source), "-o", str(out), "--errors", str(errors), "--served-model-name", MODEL_NAME]
+    flags += ["--work-dir", str(tmp_path / "work"), *engine_flags(model_dir)]
+    result = CliRunner().invoke(cli.app, ["batch", *flags])
+    assert result.exit_code == 0, result.output
+    done = {line.custom_id: line for line in read_output(out)}
+    failed = {line.custom_id: line for line in read_output(errors)}
+    assert set(done) == {"schema", "schema-n3", "compact", "object", "text", "tool"}, (done, failed)
+    assert set(failed) == {"auto", "two", "refused"}
+    assert all(line.response.status_code == 400 for line in failed.values())
+    assert "Unimplemented keys" in failed["refused"].error.message
+    for custom_id in ("schema", "schema-n3", "compact"):
+        for choice in done[custom_id].response.body.choices:
+            if choice.finish_reason == "stop":
+                jsonschema.validate(json.loads(choice.message.content), SMALL_PERSON)
+            else:
+                assert choice.finish_reason == "length"
+    assert len(done["schema-n3"].response.body.choices) == 3
+    # Compact JSON: no whitespace outside the strings.
+    outside_strings = re.sub(
+        r'"(?:[^"\\]|\\.)*"', "", done["compact"].response.body.choices[0].message.content
+    )
+    assert not re.search(r"\s", outside_strings), outside_strings
+    num_stopped = sum(
+        c.finish_reason == "stop"
+        for k in ("schema", "schema-n3", "compact")
+        for c in done[k].response.body.choices
+    )
+    assert num_stopped >= 1, "no constrained output completed: the checks above saw only prefixes"
+    tool = done["tool"].response.body.choices[0]
+    if tool.finish_reason == "tool_calls":
+        [call] = tool.message.tool_calls
+        assert call["function"]["name"] == "pick" and json.loads(call["function"]["arguments"])["n"] in (
+            1,
+            2,
+            3,
+        )
+    else:
+        assert tool.finish_reason == "length"
