@@ -204,6 +204,13 @@ def prepare(
         echo_text = None
         if row.echo and isinstance(row.prompt, list):
             assert tokenizer is not None, "parse_row refuses token-id echo without a tokenizer"
+            outside = [t for t in row.prompt if not 0 <= t < tokenizer.vocab_size]
+            if outside:
+                raise GatewayError(
+                    400,
+                    f"prompt token ids {outside[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})",
+                    param="prompt",
+                )
             echo_text = tokenizer.decode(row.prompt)
         rows.append(row)
         jobs.append(job)

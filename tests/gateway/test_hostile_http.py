@@ -166,6 +166,9 @@ def post(served, path: str, content: bytes, content_type: str = "application/jso
         (b'{"model": "fake", "prompt": "hi", "best_of": 3}', "application/json", 400),
         (b'{"model": "fake", "prompt": "hi", "priority": 1e400}', "application/json", 400),
         (b'{"model": "other", "prompt": "hi"}', "application/json", 404),
+        # Found by the fuzzer: a token id no tokenizer can decode, echoed.
+        (b'{"model": "fake", "prompt": [-1, 1180591620717411303424], "echo": true}', "application/json", 400),
+        (b'{"model": "fake", "prompt": [-100000000000000000000], "echo": true}', "application/json", 400),
         (b'{"model": "fake", "prompt": ""}', "application/json", 400),
     ],
 )
