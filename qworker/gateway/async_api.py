@@ -59,7 +59,8 @@ class AsyncApi:
                     records,
                     leases,
                     secret,
-                    lambda job_id: final_status(records, client.sink, job_id),
+                    final_status=lambda job_id: final_status(records, client.sink, job_id),
+                    has_ended=client.sink.has_result,
                 )
         else:
             logger.warning("the result store is not Redis: /v1/files, /v1/batches and /v1/jobs answer 501")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qworker.batch.files import iter_rows, parse_location
+from qworker.batch.files import BatchLocationError, iter_rows, parse_location
 from qworker.batch.output import BatchOutput, OutputFile
 from qworker.batch.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
 from qworker.batch.progress import BatchSummary, Progress, ProgressMode
@@ -130,6 +130,9 @@ class BatchDriver:
                 self._drive_held(batch_id, lost)
             except _Stop:
                 logger.info("batch %s: lease lost, another replica carries it on", batch_id)
+            except BatchLocationError as exc:
+                # The input file is gone (deleted, or its store lost it): nothing can run it.
+                self._fail_unreadable(batch_id, str(exc))
             except Exception:
                 logger.exception("batch %s: driving failed; it is retried", batch_id)
 
@@ -148,6 +151,20 @@ class BatchDriver:
         if lost.is_set():
             raise _Stop()
         self._run(batch, owner, lost)
+
+    def _fail_unreadable(self, batch_id: str, message: str) -> None:
+        loaded = self._load(batch_id)
+        if loaded is None or is_terminal(loaded[0]):
+            return
+        batch, owner = loaded
+        batch["errors"] = {
+            "object": "list",
+            "data": [
+                {"code": "input_file_unreadable", "message": message, "param": "input_file_id", "line": None}
+            ],
+        }
+        logger.warning("batch %s: %s", batch_id, message)
+        self._finish(batch, owner, BatchStatus.FAILED)
 
     def _finish(self, batch: dict[str, Any], owner: str, status: BatchStatus) -> None:
         set_status(batch, status)

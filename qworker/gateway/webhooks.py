@@ -115,6 +115,7 @@ class WebhookDispatcher:
         leases: Leases,
         secret: bytes,
         final_status: Callable[[str], dict[str, Any] | None],
+        has_ended: Callable[[str], bool],
     ) -> None:
         self.settings = settings
         self.records = records
@@ -122,6 +123,7 @@ class WebhookDispatcher:
         self.secret = secret
         self.policy = WebhookPolicy(settings.webhook_allow)
         self.final_status = final_status
+        self.has_ended = has_ended
         self._closing = threading.Event()
         self._pool = ThreadPoolExecutor(DELIVERY_THREADS, thread_name_prefix="webhook")
         self._in_flight: set[str] = set()
@@ -149,7 +151,7 @@ class WebhookDispatcher:
                     if record is None:
                         self.records.deactivate(WEBHOOK_KIND, job_id)
                         continue
-                    if time.time() < record.get("webhook_next_at", 0):
+                    if time.time() < record.get("webhook_next_at", 0) or not self.has_ended(job_id):
                         continue
                     if not self.leases.take(WEBHOOK_KIND, job_id):
                         continue
