@@ -257,3 +257,28 @@ def test_the_connect_time_check_refuses_a_host_that_now_resolves_inside(monkeypa
     secret = base64.b64decode(SECRET.removeprefix("whsec_"))
     with pytest.raises(WebhookTargetError, match=r"10\.1\.2\.3"):
         deliver(policy, secret, f"http://hooks.example.test:{port}/ok", "msg_x", b"{}", TIMEOUT_S)
+
+
+@pytest.mark.timeout(10)
+def test_the_allow_list_rules():
+    import ipaddress
+
+    default = WebhookPolicy("")
+    for address in (
+        "127.0.0.1",
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "169.254.169.254",
+        "::1",
+        "fc00::1",
+    ):
+        assert not default.is_allowed("any.example", ipaddress.ip_address(address)), address
+    assert default.is_allowed("any.example", ipaddress.ip_address("8.8.8.8"))
+    listed = WebhookPolicy("hooks.example.com, 10.5.0.0/16")
+    assert listed.is_allowed("hooks.example.com", ipaddress.ip_address("8.8.8.8"))
+    assert not listed.is_allowed("other.example", ipaddress.ip_address("8.8.8.8")), "a host list is a list"
+    assert listed.is_allowed("other.example", ipaddress.ip_address("10.5.1.1")), "a listed network"
+    assert not listed.is_allowed("hooks.example.com", ipaddress.ip_address("10.6.0.1")), (
+        "a name opens no range"
+    )
