@@ -237,7 +237,7 @@ class _Download:
                 wait(futures, return_when=FIRST_EXCEPTION)
                 # One failure stops the other transfers (their partial files stay for a restart).
                 self._stop.set()
-            failures = [f.exception() for f in futures if f.exception() is not None]
+            failures = [exc for f in futures if (exc := f.exception()) is not None]
             causes = [exc for exc in failures if not isinstance(exc, _Stopped)]
             if failures:
                 raise (causes or failures)[0]
