@@ -565,3 +565,26 @@ def test_a_batch_past_expires_at_ends_expired_with_its_partial_output(gateway, w
             completion_window="24h",
             output_expires_after={"anchor": "created_at", "seconds": 5},
         )
+
+
+@pytest.mark.timeout(30)
+def test_the_record_of_sent_rows_in_an_s3_result_store(files_bucket, tmp_path):
+    """Results in S3: the record is one object per send under the results prefix, read back
+    whole by another runner, and cleared by a --no-resume run; nothing is written locally."""
+    from qworker.batch.submitted import S3Submitted, open_submitted
+    from qworker.worker.connections import open_sink
+
+    files_url = files_bucket[1]
+    sink = open_sink(files_url.replace("/files?", "/results?"))
+    record = open_submitted(sink, "b1", tmp_path / "journal")
+    assert isinstance(record, S3Submitted)
+    record.add(["j1", "j2"])
+    record.add(["j3"])
+    again = open_submitted(sink, "b1", tmp_path / "journal")
+    assert {"j1", "j2", "j3"} <= again.ids and "j4" not in again
+    assert not open_submitted(sink, "b2", tmp_path / "journal").ids, "one record per batch"
+    again.clear()
+    assert not open_submitted(sink, "b1", tmp_path / "journal").ids
+    assert not list(tmp_path.iterdir())
+    assert {key for key in stored_keys(files_bucket) if "/_batches/b1/" in key} == set()
+    sink.close()
