@@ -38,6 +38,16 @@ def job_body(
     if result.status is not JobStatus.COMPLETED:
         raise error_of(result)
     generation = generation_from_result(result)
+    row = prepared.rows[index]
+    is_missing_logprobs = row.num_top_logprobs is not None and any(
+        c.logprobs is None for c in generation.completions
+    )
+    if is_missing_logprobs or (row.num_prompt_logprobs is not None and generation.prompt_logprobs is None):
+        # The worker's engine returned none (an engine without logprobs, e.g. the FakeEngine):
+        # the upstream answer is incomplete, which is a 502, not a crash here.
+        raise GatewayError(
+            502, "the worker returned no logprobs for a request that asked for them", code="incomplete_result"
+        )
     try:
         body = row_response_body(prepared.rows[index], generation, prepared.created, decoder(tokenizer))
     except RowError as exc:
