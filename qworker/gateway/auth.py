@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -36,9 +36,9 @@ def _checked(keys: Iterable[str], where: str) -> frozenset[str]:
     return frozenset(out)
 
 
-def load_api_keys(path: Path | None = None, env: dict[str, str] | None = None) -> frozenset[str]:
+def load_api_keys(path: Path | None = None, env: Mapping[str, str] | None = None) -> frozenset[str]:
     """The keys of `path` and of $QWORKER_API_KEYS together; empty: auth is off."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     keys: set[str] = set()
     if path is not None:
         try:
@@ -50,7 +50,7 @@ def load_api_keys(path: Path | None = None, env: dict[str, str] | None = None) -
         if not from_file:
             raise ApiKeyError(f"the API key file {path} holds no key")
         keys |= _checked(from_file, str(path))
-    raw = env.get(API_KEYS_ENV, "")
+    raw = environ.get(API_KEYS_ENV, "")
     keys |= _checked([k.strip() for k in raw.split(",") if k.strip()], f"${API_KEYS_ENV}")
     return frozenset(keys)
 

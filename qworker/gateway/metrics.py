@@ -105,7 +105,7 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send=timed_send)
+            await self.app(scope, receive, timed_send)
         finally:
             code = str(status[0]) if status else "disconnected"
             self.metrics.requests.labels(route_label(scope), code).inc()

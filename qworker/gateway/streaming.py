@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 
+from qworker.batch.format import ChatChoice, TextChoice
 from qworker.batch.rows import Endpoint
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.mapping import PreparedRequest
@@ -151,7 +152,8 @@ async def stream_events(
                     return
                 if not streamed[p]:
                     on_first_token(p)
-                for choice, completion in zip(body.choices, generation.completions, strict=True):
+                choices: list[ChatChoice | TextChoice] = list(body.choices)
+                for choice, completion in zip(choices, generation.completions, strict=True):
                     rest = completion.text
                     if choice.index == 0 and is_live[p]:
                         if not completion.text.startswith(streamed[p]):
