@@ -381,3 +381,16 @@ def test_a_backend_without_window_kernels_gets_those_layers_through_the_torch_pa
     qwen3.runner.backend = backend
     assert greedy(qwen3, prompts(), "wrapped") == families["qwen3"].expected
     assert PlainOnly.num_calls > 0
+
+
+def test_qwen3_moe_layers_are_sparse_where_transformers_puts_its_moe_blocks() -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    hf_config = tiny_family_config(
+        "qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]
+    )
+    hf_model = AutoModelForCausalLM.from_config(hf_config)
+    want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf_model.model.layers]
+    assert want == [False, True, False, False, False, True]
+    assert [layer.is_moe for layer in _model_config("qwen3_moe", hf_config).layers] == want
