@@ -239,6 +239,24 @@ def speed(
     }
 
 
+def heavy_schemas(num: int) -> dict[str, dict]:
+    """Schema-heavy outputs: objects whose keys and most values the schema fixes (enums of one),
+    with one free integer each: most of each output is forced."""
+    out = {}
+    for i in range(num):
+        properties: dict[str, Any] = {
+            f"field_{k}_of_record_{i}": {"enum": [f"value-{k}-{i}"]} for k in range(8)
+        }
+        properties["count"] = {"type": "integer", "minimum": 0, "maximum": 999}
+        out[f"heavy-{i}"] = {
+            "type": "object",
+            "properties": properties,
+            "required": list(properties),
+            "additionalProperties": False,
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -249,6 +267,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-generation", action="store_true", help="compile checks and speed only")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--heavy",
+        action="store_true",
+        help="speed checks only, on schema-heavy generated schemas (heavy_schemas)",
+    )
     args = parser.parse_args()
     # No prefix caching: every run computes its prompts, so the runs compare.
     config = EngineConfig(
@@ -260,8 +283,15 @@ def main() -> None:
         enable_prefix_caching=False,
     )
     engine = LLMEngine(config)
-    schemas = load_schemas()
     result: dict[str, Any] = {"machine": machine(), "dtype": str(engine.dtype)}
+    if args.heavy:
+        heavy = heavy_schemas(args.num_jobs)
+        result["speed_heavy"] = speed(engine, heavy, list(heavy), args.num_jobs, args.speed_max_tokens)
+        print(json.dumps(result, indent=2), flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
+    schemas = load_schemas()
     result["compile"], accepted = compile_set(engine, schemas)
     print(json.dumps(result, indent=2), flush=True)
     if not args.skip_generation:

@@ -28,6 +28,7 @@ from qworker.engine.runner import ModelRunner
 from qworker.engine.sampler import PositionLogprobs
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
+from qworker.engine.structured import StructuredOutputs
 from qworker.engine.structured.manager import MAX_FAST_FORWARD_TOKENS, StructuredOutputManager
 from qworker.engine.structured.state import GrammarState, consume, forced_tokens
 from qworker.engine.structured.tool_calls import template_messages
@@ -231,7 +232,7 @@ class LLMEngine:
             # Compiles off this thread; the request joins the scheduler at a later step.
             self.structured.wait_for_grammar(
                 request_id,
-                params.structured_outputs,
+                StructuredOutputs.from_value(params.structured_outputs),
                 lambda: self._start(request_id, text, token_ids, params, priority, arrival_time),
             )
             return request_id
@@ -284,7 +285,9 @@ class LLMEngine:
     ) -> None:
         request = Request(request_id, token_ids, params, priority=priority)
         if params.structured_outputs is not None:
-            request.grammar = self.structured.new_state(params.structured_outputs)
+            request.grammar = self.structured.new_state(
+                StructuredOutputs.from_value(params.structured_outputs)
+            )
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
