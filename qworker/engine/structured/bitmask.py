@@ -28,25 +28,33 @@ def first_allowed(bitmask: np.ndarray) -> np.ndarray:
     return word_index.astype(np.int64) * 32 + low_bit
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask: [R, W] int32 on the logits' device -> [R, vocab_size] bool."""
+def disallowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask: [R, W] int32 on the logits' device -> [R, vocab_size] bool, True where a token is
+    not allowed."""
     if bitmask.device.type == "cpu":
-        # One pass over 64 x 6 kB on the CPU (~0.3 ms for a 64-row SmolLM2 batch).
-        unpacked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(unpacked[:, :vocab_size]).bool()
+        # One pass over 64 x 6 kB on the CPU (~0.3 ms for a 64-row SmolLM2 batch); the uint8 bits
+        # are viewed as bool, not copied.
+        unpacked = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(unpacked[:, :vocab_size]).view(torch.bool)
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
-    return bits.flatten(1)[:, :vocab_size].bool()
+    return bits.flatten(1)[:, :vocab_size] == 0
 
 
 def apply_token_bitmask_(logits: torch.Tensor, row_index: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits: [N, vocab] float; row_index: [R] int64 rows of logits that are constrained;
-    bitmask: [R, W] int32. Disallowed tokens of those rows become -inf, in place."""
+    """logits: [N, vocab] float; row_index: [R] int64 rows of logits that are constrained (in
+    increasing order); bitmask: [R, W] int32. Disallowed tokens of those rows become -inf, in place."""
     assert bitmask.dtype == torch.int32, f"bitmask must be int32, got {bitmask.dtype}"
-    assert bitmask.shape[0] == row_index.shape[0], (
-        f"{bitmask.shape[0]} mask rows for {row_index.shape[0]} rows"
-    )
+    assert bitmask.shape[0] == row_index.shape[0], f"{bitmask.shape[0]} masks, {row_index.shape[0]} rows"
     vocab = logits.shape[-1]
     assert bitmask.shape[1] * 32 >= vocab, f"bitmask of {bitmask.shape[1]} words for a vocabulary of {vocab}"
-    allowed = allowed_tokens(bitmask, vocab).to(logits.device, non_blocking=True)
-    logits[row_index] = logits[row_index].masked_fill(~allowed, float("-inf"))
+    disallowed = disallowed_tokens(bitmask, vocab).to(logits.device, non_blocking=True)
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    # torch.where in place: 1.4 ms for 64 x 49,152 on a 2-core EPYC, against 6 ms for an indexed
+    # masked_fill (gather, fill, scatter).
+    if row_index.shape[0] == logits.shape[0]:
+        torch.where(disallowed, minus_inf, logits, out=logits)
+        return
+    rows = logits.index_select(0, row_index)
+    torch.where(disallowed, minus_inf, rows, out=rows)
+    logits.index_copy_(0, row_index, rows)
