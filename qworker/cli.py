@@ -475,6 +475,8 @@ def dlq_list(
     """Dead letters, oldest first: id, job id, attempts, age, reason."""
     with dead_letters(queue) as dlq:
         letters = dlq.read(limit)
+    if not letters:
+        typer.echo("no dead letters", err=True)
     for letter in letters:
         if as_json:
             typer.echo(json.dumps({k: v for k, v in letter.as_dict().items() if k != "body"}))
@@ -499,7 +501,10 @@ def dlq_show(
 
 @dlq_app.command("replay")
 def dlq_replay(
-    dead_letter_ids: Annotated[list[str] | None, typer.Argument(metavar="[ID]...")] = None,
+    dead_letter_ids: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="ID", help="Ids that `list` shows (or --all)", show_default=False),
+    ] = None,
     all_letters: Annotated[bool, typer.Option("--all", help="Replay every dead letter")] = False,
     queue: QueueOpt = None,
     results: DlqResultsOpt = None,
@@ -518,7 +523,12 @@ def dlq_replay(
     finally:
         sink.close()
     for letter in replayed:
-        typer.echo(f"replayed {letter.id} (job {letter.job_id or '-'})")
+        if letter.job_id is not None:
+            typer.echo(f"replayed {letter.id} as job {letter.job_id}")
+        else:
+            typer.echo(
+                f"replayed {letter.id}: its body is not a job, so the worker will dead-letter it again"
+            )
     missing = set(dead_letter_ids or []) - {letter.id for letter in replayed}
     if missing:
         typer.echo(f"not found: {', '.join(sorted(missing))}", err=True)
@@ -534,6 +544,9 @@ def dlq_purge(
     with dead_letters(queue) as dlq:
         if not yes:
             count = len(dlq.read())
+            if count == 0:
+                typer.echo("no dead letters to remove")
+                return
             typer.confirm(f"remove {count} dead letters?", abort=True)
         removed = dlq.purge()
     typer.echo(f"removed {removed} dead letters")

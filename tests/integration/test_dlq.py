@@ -120,7 +120,7 @@ def test_too_long_prompt_is_dead_lettered_then_replayed_on_a_longer_context(back
             "replay", rows[0]["id"], "--queue", backend.queue_url, "--results", backend.results_url
         )
         assert replayed.exit_code == 0, replayed.output
-        assert dlq("list", "--queue", backend.queue_url, "--json").output.strip() == ""
+        assert dlq("list", "--queue", backend.queue_url, "--json").stdout.strip() == ""
         stats = run_worker(tiny_model_dir, backend, LONG_CONTEXT)
         assert stats.num_completed == 1 and stats.num_skipped_done == 0 and stats.num_dead_lettered == 0
         done = client.result(f"{RUN}-long", timeout=5)
@@ -145,4 +145,27 @@ def test_purge_asks_first_and_replay_all(backend, tiny_model_dir):
     assert run_worker(tiny_model_dir, backend, SHORT_CONTEXT).num_dead_lettered == 3
     purged = dlq("purge", "--yes", "--queue", backend.queue_url)
     assert purged.exit_code == 0 and "removed 3" in purged.output
-    assert dlq("list", "--queue", backend.queue_url).output.strip() == ""
+    # Empty: list says so, and purge has nothing to ask about.
+    empty = dlq("list", "--queue", backend.queue_url)
+    assert empty.stdout.strip() == "" and empty.stderr.strip() == "no dead letters"
+    nothing = dlq("purge", "--queue", backend.queue_url)
+    assert nothing.exit_code == 0 and nothing.output.strip() == "no dead letters to remove"
+
+
+@pytest.mark.timeout(120)
+def test_replay_names_the_job_id_or_says_the_body_is_no_job(tiny_model_dir):
+    url = unique_url(redis_base_url(), "dlq-ids")
+    r = redis_lib.Redis.from_url(url.split("?")[0])
+    stream = url.split("stream=", 1)[1].split("&", 1)[0]
+    try:
+        # One entry with neither an id nor a JSON body: dead-lettered with no job id.
+        r.xadd(stream, {"body": b"\xffnot a job"})
+        with Client(queue=url) as client:
+            client.submit(job("long-id", LONG_PROMPT))
+        assert run_worker(tiny_model_dir, Backend(url, url), SHORT_CONTEXT).num_dead_lettered == 2
+        replayed = dlq("replay", "--all", "--queue", url, "--results", url)
+        assert replayed.exit_code == 0, replayed.output
+        assert f"as job {RUN}-long-id" in replayed.output
+        assert "its body is not a job, so the worker will dead-letter it again" in replayed.output
+    finally:
+        cleanup(r, url)

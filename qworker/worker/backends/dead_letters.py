@@ -20,13 +20,14 @@ is skipped again, as any duplicate is).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from qworker.worker.backends.sink import ResultSink
-from qworker.worker.jobs import JobStatus
+from qworker.worker.jobs import JobStatus, resolve_job_id
 
 # Dead letters read at most, per command: the tooling is for inspection, not bulk export.
 DEFAULT_LIST_LIMIT = 1000
@@ -101,6 +102,17 @@ def clear_failed_result(sink: ResultSink, job_id: str) -> bool:
         return False
     sink.delete_result(job_id)
     return result is not None
+
+
+def with_replay_id(letter: DeadLetter) -> DeadLetter:
+    """The letter with the job id its replay runs under. A body that is a job without an id would
+    get one derived from its new message, which nobody could know in advance: the replay names
+    it instead (stable per dead letter), so `qworker dlq replay` can print it. A body that is no
+    job at all keeps no id: the worker will dead-letter it again, with its reason."""
+    if letter.job_id is not None:
+        return letter
+    job_id = resolve_job_id(None, letter.body, "replay", letter.id)
+    return letter if job_id is None else dataclasses.replace(letter, job_id=job_id)
 
 
 def clear_before_replay(results: ResultSink | None, letter: DeadLetter) -> None:

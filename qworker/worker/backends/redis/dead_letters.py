@@ -11,6 +11,7 @@ from qworker.worker.backends.dead_letters import (
     DeadLetter,
     DeadLetterQueue,
     clear_before_replay,
+    with_replay_id,
 )
 from qworker.worker.backends.redis import keys
 from qworker.worker.backends.redis.connection import parse_redis_url, redis_client
@@ -62,6 +63,7 @@ class RedisStreamDeadLetters(DeadLetterQueue):
             letters = self.read()
         else:
             letters = [d for d in (self.show(i) for i in dead_letter_ids) if d is not None]
+        letters = [with_replay_id(letter) for letter in letters]
         for letter in letters:
             clear_before_replay(results, letter)
             fields: dict[str, Any] = {keys.FIELD_BODY: letter.body}

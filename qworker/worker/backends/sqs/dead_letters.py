@@ -14,6 +14,7 @@ from qworker.worker.backends.dead_letters import (
     DeadLetter,
     DeadLetterQueue,
     clear_before_replay,
+    with_replay_id,
 )
 from qworker.worker.backends.sink import ResultSink
 from qworker.worker.backends.sqs.layout import ATTR_JOB_ID, dead_letter_queue_name, queue_url, redrive_policy
@@ -113,7 +114,7 @@ class SqsDeadLetters(DeadLetterQueue):
         self._give_back([m for m in messages if m not in chosen])
         replayed = []
         for message in chosen:
-            letter = self._dead_letter(message)
+            letter = with_replay_id(self._dead_letter(message))
             clear_before_replay(results, letter)
             args: dict[str, Any] = {"QueueUrl": self.queue_url, "MessageBody": message["Body"]}
             if letter.job_id is not None:
