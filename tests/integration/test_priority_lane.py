@@ -219,3 +219,7 @@ def test_hostile_entries_in_the_lane_are_each_answered_and_the_good_ones_run(url
     letters = open_redis(url).read()
     assert len(letters) == 2, letters
     assert all(d.reason and d.source == lane for d in letters)
+    # The entry with no body says so, instead of calling a missing body "not a JSON object".
+    assert any("neither a 'job' nor an 'id' field (its fields: 'unrelated')" in d.reason for d in letters), [
+        d.reason for d in letters
+    ]

@@ -232,6 +232,15 @@ class RedisStreamSource(JobSource):
                 rejection = job_id_problem(job_id)
                 if rejection is not None:
                     job_id = None
+        if body is None and job_id is None and rejection is None:
+            names = sorted(
+                (name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name))[:50]
+                for name in fields
+            )[:10]
+            rejection = (
+                f"the entry has neither a {keys.FIELD_BODY!r} nor an {keys.FIELD_JOB_ID!r} field "
+                f"(its fields: {', '.join(repr(n) for n in names) or 'none'})"
+            )
         # Entry ids start with the server's clock in milliseconds when the entry was added.
         enqueued_at = int(as_text(entry_id).split("-")[0]) / 1000.0
         return Lease(
