@@ -49,6 +49,9 @@ def user(content, **extra) -> dict:
     return {"role": "user", "content": content, **extra}
 
 
+TOOL_F = {"type": "function", "function": {"name": "f"}}
+
+
 def row_error(body: dict, url: str = CHAT) -> RowError:
     with pytest.raises(RowError) as info:
         parse(body, url)
@@ -134,7 +137,7 @@ def test_row_ids_are_derived_from_the_batch_and_the_custom_id():
         (chat_body(frequency_penalty=0.5), CHAT, 400, UNS, "frequency_penalty"),
         (chat_body(repetition_penalty=1.2), CHAT, 400, UNS, "repetition_penalty"),
         (chat_body(tools=[{"type": "function"}]), CHAT, 400, IRE, "tools[0]"),
-        (chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"), CHAT, 400, UNS, "auto"),
+        (chat_body(tools=[TOOL_F], tool_choice="auto"), CHAT, 400, UNS, "auto"),
         (chat_body(temprature=0), CHAT, 400, IRE, "unknown field(s) for chat: temprature"),
         (chat_body(echo=True), CHAT, 400, IRE, "unknown field(s) for chat: echo"),
         (chat_body(messages=[]), CHAT, 400, IRE, "messages must be a non-empty list"),
