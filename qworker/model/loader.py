@@ -78,10 +78,42 @@ def resolve_model(model: str) -> ResolvedModel:
     )
 
 
+GGUF_CONTENT_KEYS = "gguf-content-keys.json"
+
+
+def gguf_content_key(path: Path) -> str:
+    """The first 16 hex digits of the sha256 of the file's bytes, so that two installs of the same
+    file (two virtual environments) share one converted copy. The digest is remembered per path,
+    size and mtime in the cache, so each install reads its file once, not at every start."""
+    stat = path.stat()
+    stamp = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = cache_root() / "models" / GGUF_CONTENT_KEYS
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if not isinstance(index, dict):
+        index = {}
+    known = index.get(stamp)
+    if isinstance(known, str):
+        return known
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    index[stamp] = key
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole and renamed: a concurrent start reads the old index or the new, never half.
+    fd, tmp = tempfile.mkstemp(dir=index_path.parent, prefix=".tmp-keys-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f)
+    os.replace(tmp, index_path)
+    return key
+
+
 def _gguf_to_hf_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    target = cache_root() / "models" / f"{gguf_path.stem}-{gguf_content_key(gguf_path)}"
     if (target / "model.safetensors").is_file():
         return target
     logger.info("converting %s to safetensors in %s (once)", gguf_path, target)
