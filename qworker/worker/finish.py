@@ -59,6 +59,9 @@ class Finisher:
                 status = JobStatus.FAILED
                 error = JobError(type=output.error.type, message=output.error.message)
         result = build_result(held.job.id, held.job, held.lease, status, error, output, self.worker_name)
+        # The step loop counted completion 0's tokens as they came; the other completions of an
+        # n > 1 job stream nowhere, so their tokens count now.
+        self.metrics.observe_generated_tokens(max(0, result.usage.completion_tokens - held.num_output_tokens))
         self.end(result, held.leases)
 
     def end_dropped(self, dropped: DroppedJob, status: JobStatus, error: JobError | None) -> None:

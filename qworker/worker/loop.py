@@ -99,6 +99,7 @@ class Worker:
             outbox=self.outbox,
             finish=self.finish,
             admission=self.admission,
+            metrics=self.metrics,
             log_payloads=self.settings.log_payloads,
         )
         # Leased messages not yet taken (the broker went away while taking them).
@@ -243,6 +244,7 @@ class Worker:
         now = time.monotonic()
         deltas = []
         finished = []
+        num_generated = 0
         for out in step_outputs:
             held = self.held.get(out.request_id)
             if held is None:
@@ -252,10 +254,14 @@ class Worker:
                     self.metrics.observe_itl(now - held.last_token_at)
                 held.last_token_at = now
             held.num_output_tokens += len(out.new_token_ids)
+            num_generated += len(out.new_token_ids)
             if out.text_delta or out.new_token_ids:
                 deltas.append(Delta(out.request_id, out.text_delta, list(out.new_token_ids)))
             if out.finished:
                 finished.append((held, out.output))
+        # Counted as generated, not when a job ends: tokens of jobs that are killed, released or
+        # still running count too, and rate() is smooth.
+        self.metrics.observe_generated_tokens(num_generated)
         # Deltas first: a live reader sees every delta before the done marker of the result.
         self.outbox.add_deltas(deltas)
         for held, output in finished:

@@ -220,9 +220,9 @@ class WorkerMetrics:
         self.headroom_blocks.set(headroom_blocks)
 
     def observe_result(self, result: JobResult) -> None:
-        """One stored result: its status, its tokens and its latencies (each one the job reached)."""
+        """One stored result: its status and its latencies (each one the job reached). Its tokens
+        were counted as they were computed (observe_prompt_tokens, observe_generated_tokens)."""
         self.jobs.labels(status=result.status.value).inc()
-        self.observe_tokens(result.usage.prompt_tokens, result.usage.completion_tokens)
         t = result.timings
         if t.enqueued_at is None:
             return
@@ -233,11 +233,15 @@ class WorkerMetrics:
         if t.finished_at is not None:
             self.observe_e2e(t.finished_at - t.enqueued_at)
 
-    def observe_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        if num_prompt_tokens:
-            self.prompt_tokens.inc(num_prompt_tokens)
-        if num_generation_tokens:
-            self.generation_tokens.inc(num_generation_tokens)
+    def observe_prompt_tokens(self, num_tokens: int) -> None:
+        """A job's prompt entered the engine (counted then, whatever becomes of the job)."""
+        if num_tokens:
+            self.prompt_tokens.inc(num_tokens)
+
+    def observe_generated_tokens(self, num_tokens: int) -> None:
+        """Tokens generated in one engine step (or the rest of a job's, at its end)."""
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
 
     def observe_dead_letter(self, reason: str) -> None:
         """`reason` is a kind from a short fixed set (an error type such as "DeadLettered",

@@ -20,6 +20,7 @@ from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.finish import Finisher
 from qworker.worker.held import HeldJob, HeldJobs
 from qworker.worker.jobs import JobStatus, resolve_job_id
+from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox
 from qworker.worker.retry import BrokerOutageError, is_transient
 
@@ -38,6 +39,7 @@ class Taker:
     outbox: Outbox
     finish: Finisher
     admission: AdmissionPolicy
+    metrics: WorkerMetrics
     log_payloads: bool
     # Written for each job as it enters the engine (one round trip per pull, pop_attempt_notes):
     # read back only if the attempt never ends here, to say why the job is later dead-lettered.
@@ -125,6 +127,7 @@ class Taker:
         limits = [t for t in (job.timeout_s, lease.time_limit_s) if t is not None]
         deadline = now + min(limits) if limits else None
         self.held.add(HeldJob(job, lease, num_prompt_tokens, deadline))
+        self.metrics.observe_prompt_tokens(num_prompt_tokens)
         if lease.delivery_count > 1:
             # This attempt streams from the start: live readers drop what earlier ones streamed.
             self.outbox.add_deltas([Delta(job_id, "", attempt=lease.delivery_count)])

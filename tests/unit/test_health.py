@@ -84,6 +84,9 @@ def test_metrics_endpoint_serves_prometheus_text_with_qworker_names(served):
     )
     metrics.set_engine_gauges(kv, num_running=3, num_waiting=2, num_held=6, headroom_blocks=60)
     enqueued = 1_000.0
+    metrics.observe_prompt_tokens(12)
+    metrics.observe_generated_tokens(3)
+    metrics.observe_generated_tokens(2)
     metrics.observe_result(
         JobResult(
             id="a",

@@ -308,6 +308,30 @@ def test_cancel_mid_run_stores_a_cancelled_result_and_frees_the_engine():
     assert h.result("b").text == "abcdef"
 
 
+def test_token_counters_move_as_tokens_are_generated_not_when_jobs_end():
+    h = make_harness()
+    h.put("a", job(20, prompt_token_ids=[1, 2, 3]))
+    seen: list[tuple[float | None, float | None]] = []
+
+    def sample(name: str) -> float | None:
+        return h.worker.metrics.registry.get_sample_value(name)
+
+    def on_step(step: int) -> None:
+        seen.append((sample("qworker_prompt_tokens_total"), sample("qworker_generation_tokens_total")))
+        if step == 5:
+            h.sink.request_cancel("a")
+
+    h.engine.on_step = on_step
+    h.worker.run(burst=True)
+    # While the job runs: its prompt counted once it entered the engine, its tokens step by step.
+    assert seen[1] == (3.0, 1.0) and seen[3] == (3.0, 3.0), seen
+    result = h.result("a")
+    assert result.status is JobStatus.CANCELLED
+    # A job that never completes still counts what it computed; nothing is counted twice at its end.
+    assert sample("qworker_prompt_tokens_total") == result.usage.prompt_tokens == 3
+    assert sample("qworker_generation_tokens_total") == result.usage.completion_tokens
+
+
 def test_lease_lost_to_a_peer_drops_the_job_without_a_result():
     h = make_harness(lease_extend_interval_s=1e-6)
     h.put("a", job(20))
