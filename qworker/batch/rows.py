@@ -70,6 +70,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
+# OpenAI's chat roles, as the job schema has them (jobs.ChatRole).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
@@ -182,8 +184,11 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
         if unknown:
             raise RowError(f"{where}: field(s) {', '.join(unknown)} are not supported", param=where)
         role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise RowError(f"{where}.role must be a non-empty string", param=f"{where}.role")
+        if role not in CHAT_ROLES:
+            raise RowError(
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {str(role)[:50]!r}",
+                param=f"{where}.role",
+            )
         parsed: dict[str, Any] = {
             "role": role,
             "content": _text_content(message.get("content"), f"{where}.content"),

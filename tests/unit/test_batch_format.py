@@ -517,3 +517,16 @@ def test_rows_collected_from_an_earlier_run_are_not_counted_as_generated_tokens(
     done = progress.close()
     assert (done.num_run, done.num_collected, done.num_completion_tokens) == (3, 2, 5)
     assert "1 enqueued, 2 collected from earlier runs" in done.to_text()
+
+
+@pytest.mark.timeout(10)
+def test_chat_roles_are_openais_and_the_job_schemas():
+    import typing
+
+    from qworker.batch.rows import CHAT_ROLES, parse_messages
+    from qworker.worker.jobs import ChatRole
+
+    assert typing.get_args(ChatRole) == CHAT_ROLES
+    with pytest.raises(RowError, match=r"messages\[0\].role must be one of system, developer, user"):
+        parse_messages([{"role": "wizard", "content": "hi"}])
+    assert parse_messages([{"role": "developer", "content": "be brief"}])[0]["role"] == "developer"
