@@ -11,6 +11,7 @@ token, which has nothing before it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,17 @@ class LogprobLike(Protocol):
 PositionLogprobs = Mapping[int, LogprobLike]
 # A token id's text, for entries whose decoded_token is not set.
 Decode = Callable[[int], str]
+
+
+@dataclass
+class _ScoredCompletion:
+    """A completion of a scoring-only row (max_tokens 0): nothing generated."""
+
+    index: int
+    text: str = ""
+    token_ids: Sequence[int] = ()
+    finish_reason: str = "length"
+    logprobs: Sequence[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -211,6 +223,15 @@ def text_completion_body(
     row: RowRequest, generation: Generation, created: int, decode: Decode | None = None
 ) -> TextCompletion:
     prefix = row.prompt if row.echo and isinstance(row.prompt, str) else ""
+    if row.is_scoring_only:
+        # max_tokens 0: the one token the engine generated is not part of the answer.
+        generation = dataclasses.replace(
+            generation,
+            completions=[
+                _ScoredCompletion(c.index, logprobs=[] if c.logprobs is not None else None)
+                for c in generation.completions
+            ],
+        )
     choices = []
     for completion in generation.completions:
         logprobs = None

@@ -113,6 +113,8 @@ class RowRequest:
     num_prompt_logprobs: int | None = None
     # A forced tool call: the output is the call, reported as OpenAI's tool_calls.
     forced_tool: ForcedTool | None = None
+    # Completions with echo and max_tokens 0: the response holds the prompt alone.
+    is_scoring_only: bool = False
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(**self.sampling, max_tokens=max_tokens)
@@ -272,6 +274,8 @@ class MappedParams:
     max_tokens: int | None
     num_top_logprobs: int | None
     num_prompt_logprobs: int | None
+    # Completions with echo and max_tokens 0: score the prompt, generate nothing.
+    is_scoring_only: bool = False
 
 
 def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> MappedParams:
@@ -311,8 +315,15 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
             if echo:
                 num_prompt = num_top
                 kwargs["prompt_logprobs"] = num_top
+    if endpoint is Endpoint.COMPLETIONS and echo and max_tokens == 0 and _is_int(max_tokens):
+        # OpenAI allows it for scoring: the prompt (and its logprobs) back, nothing generated.
+        # The engine always generates one token; the response leaves it out.
+        return MappedParams(kwargs, 1, num_top, num_prompt, is_scoring_only=True)
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise RowError(f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
+        raise RowError(
+            f"max_tokens must be a positive integer (0 only with echo, on completions), got {max_tokens!r}",
+            param="max_tokens",
+        )
     return MappedParams(kwargs, max_tokens, num_top, num_prompt)
 
 
@@ -393,6 +404,7 @@ def parse_row(
         num_top_logprobs=mapped.num_top_logprobs,
         num_prompt_logprobs=mapped.num_prompt_logprobs,
         forced_tool=constraint.forced_tool,
+        is_scoring_only=mapped.is_scoring_only,
     )
 
 

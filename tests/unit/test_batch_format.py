@@ -530,3 +530,24 @@ def test_chat_roles_are_openais_and_the_job_schemas():
     with pytest.raises(RowError, match=r"messages\[0\].role must be one of system, developer, user"):
         parse_messages([{"role": "wizard", "content": "hi"}])
     assert parse_messages([{"role": "developer", "content": "be brief"}])[0]["role"] == "developer"
+
+
+@pytest.mark.timeout(10)
+def test_max_tokens_0_with_echo_scores_the_prompt_and_returns_nothing_generated():
+    body = {"model": "tiny", "prompt": "ab", "echo": True, "max_tokens": 0, "logprobs": 1}
+    row = parse(body, COMPLETIONS)
+    # The engine always generates a token; the response leaves it out.
+    assert row.is_scoring_only and row.max_tokens == 1 and row.num_prompt_logprobs == 1
+    output = Output(
+        [7, 8],
+        [Completion(0, "c", [9], "length", [{9: lp(-0.1, 1, "c")}])],
+        prompt_logprobs=[None, {8: lp(-0.5, 1, "b")}],
+    )
+    text = response_body(row, Generation.from_request_output(output, with_prompt_logprobs=True), created=1)
+    (choice,) = text.choices
+    assert (choice.text, choice.finish_reason) == ("ab", "length")
+    assert choice.logprobs.token_logprobs == [None, -0.5]
+    assert (text.usage.prompt_tokens, text.usage.completion_tokens) == (2, 0)
+    # Without echo, or on chat, 0 stays a bad value.
+    assert "max_tokens" in str(row_error({**body, "echo": False}, COMPLETIONS))
+    assert "max_tokens" in str(row_error(chat_body(max_tokens=0)))
