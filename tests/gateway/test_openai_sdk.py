@@ -15,7 +15,7 @@ import redis
 from qworker.batch.rows import request_id_for
 from qworker.gateway.app import create_app
 from qworker.gateway.settings import GatewaySettings
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
 from tests.gateway.conftest import API_KEY, metric_value, serve_app
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -26,24 +26,37 @@ def job_id_of(response_id: str, index: int = 0) -> str:
     return request_id_for(response_id.split("-", 1)[1], str(index))
 
 
-@pytest.mark.timeout(180)
-def test_scale_from_zero_a_request_waits_for_the_first_worker(gateway, request):
-    """The gateway started with no worker; a request sent now completes once the pool's first
-    worker starts (the module's worker, started here, after the request)."""
-    sdk = openai.OpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0, timeout=170)
-    outcome: dict[str, object] = {}
+@pytest.mark.timeout(240)
+def test_scale_from_zero_a_request_waits_for_the_first_worker(tmp_path):
+    """A gateway on a queue no worker serves; a request sent now waits, and completes once the
+    pool's first worker starts. Its own queue, gateway and worker: the suite's shared worker may
+    be up already, whichever module ran first."""
+    url = unique_url(redis_base_url(), "gateway-zero")
+    app = create_app(GatewaySettings(request_timeout_s=200), queue=url, api_keys=frozenset({API_KEY}))
+    worker = None
+    try:
+        with serve_app(app) as served:
+            sdk = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=210)
+            outcome: dict[str, object] = {}
 
-    def ask() -> None:
-        outcome["response"] = sdk.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4)
+            def ask() -> None:
+                outcome["response"] = sdk.chat.completions.create(
+                    model="smollm2", messages=CHAT, max_tokens=4
+                )
 
-    asking = threading.Thread(target=ask)
-    asking.start()
-    time.sleep(1.0)
-    assert asking.is_alive(), "the request waits while no worker runs"
-    request.getfixturevalue("worker")
-    asking.join(timeout=120)
-    response = outcome["response"]
-    assert response.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
+            asking = threading.Thread(target=ask)
+            asking.start()
+            time.sleep(1.0)
+            assert asking.is_alive(), "the request waits while no worker runs"
+            worker = spawn_worker(url, "smollm2", "gw-zero", log_path=tmp_path / "worker.log")
+            asking.join(timeout=200)
+            response = outcome["response"]
+            assert response.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait(timeout=60)
+        cleanup(redis.Redis.from_url(redis_base_url()), url)
 
 
 @pytest.mark.timeout(120)
