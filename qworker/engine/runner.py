@@ -110,12 +110,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
-        self.backend = select_attention_backend(
-            config.attention_backend,
-            self.device,
-            needs_sliding_window=model_config.has_sliding_window,
-            needs_logits_soft_cap=model_config.attn_logit_soft_cap is not None,
-        )
+        self.backend = select_attention_backend(config.attention_backend, self.device)
         ops = select_model_ops(self.backend.name, self.device)
         model = DecoderForCausalLM(model_config, max_positions=max_model_len, ops=ops)
         if state_dict is not None:

@@ -31,9 +31,6 @@ class TorchAttentionBackend:
     name = "torch"
     # Prefill reads the host lists and decodes may take the CPU kernel: not capturable.
     supports_cuda_graphs = False
-    # Windowed and soft-capped layers run here: in the C kernels on the CPU, else in plain torch.
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
 
     def __init__(self) -> None:
         self._decode_kernel = _load_cpu_decode_kernel()
@@ -294,56 +291,13 @@ def _load_cpu_prefill_kernel():  # type: ignore[no-untyped-def]
     return cpu_prefill_attention if cpu_prefill_attention.is_available() else None
 
 
-class ExtrasFallbackBackend:
-    """A backend whose kernels lack sliding windows or soft-capping, with the layers that need
-    them sent to the torch backend. It keeps the inner backend's name (the model ops follow it);
-    no CUDA graphs, since the torch path reads the host lists."""
-
-    supports_cuda_graphs = False
-
-    def __init__(self, inner: AttentionBackend) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.fallback = TorchAttentionBackend()
-        self._is_window_native = getattr(inner, "supports_sliding_window", False)
-        self._is_soft_cap_native = getattr(inner, "supports_logits_soft_cap", False)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        if (sliding_window is not None and not self._is_window_native) or (
-            logits_soft_cap is not None and not self._is_soft_cap_native
-        ):
-            backend: AttentionBackend = self.fallback
-        else:
-            backend = self.inner
-        return backend.forward(
-            q, k, v, k_cache, v_cache, meta, scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        )  # fmt: skip
-
-
 def select_attention_backend(
     requested: str,
     device: torch.device,
-    *,
-    needs_sliding_window: bool = False,
-    needs_logits_soft_cap: bool = False,
 ) -> AttentionBackend:
     """`auto` picks Triton on CUDA and torch elsewhere; QWORKER_ATTENTION_BACKEND overrides.
 
-    A model with windowed or soft-capped layers gets them through the torch backend when the
-    chosen backend's kernels lack them (`supports_sliding_window`, `supports_logits_soft_cap`).
+    Both backends take sliding windows and logit soft-capping in their kernels.
     """
     choice = os.environ.get("QWORKER_ATTENTION_BACKEND", requested) or "auto"
     if choice == "auto":
@@ -357,8 +311,4 @@ def select_attention_backend(
         backend = TritonAttentionBackend(device)
     else:
         raise ValueError(f"unknown attention backend {choice!r}; use auto, torch or triton")
-    if (needs_sliding_window and not getattr(backend, "supports_sliding_window", False)) or (
-        needs_logits_soft_cap and not getattr(backend, "supports_logits_soft_cap", False)
-    ):
-        return ExtrasFallbackBackend(backend)
     return backend

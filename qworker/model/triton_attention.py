@@ -17,9 +17,6 @@ class TritonAttentionBackend:
     name = "triton"
     # Static shapes and no host syncs: the runner may capture decode steps in CUDA graphs.
     supports_cuda_graphs = True
-    # The kernels take both per layer (constexpr switches: layers without them run unchanged code).
-    supports_sliding_window = True
-    supports_logits_soft_cap = True
 
     def __init__(self, device: torch.device | None = None) -> None:
         if device is not None and device.type != "cuda" and not is_triton_interpreter_enabled():

@@ -352,37 +352,6 @@ def test_the_chat_template_comes_from_the_tokenizer(families: dict[str, Family],
     assert len(expected) > 10
 
 
-def test_a_backend_without_window_kernels_gets_those_layers_through_the_torch_path(
-    families: dict[str, Family],
-) -> None:
-    """Both shipped backends take windows and caps; one that does not (supports_* False) is
-    wrapped so that only its plain layers reach it, and the tokens stay transformers'."""
-    from qworker.model.attention import ExtrasFallbackBackend, TorchAttentionBackend
-
-    class PlainOnly(TorchAttentionBackend):
-        supports_sliding_window = False
-        supports_logits_soft_cap = False
-        num_calls = 0
-
-        def forward(self, *args: Any, sliding_window: Any = None, logits_soft_cap: Any = None) -> Any:
-            assert sliding_window is None and logits_soft_cap is None, "extras reached a backend lacking them"
-            PlainOnly.num_calls += 1
-            return super().forward(*args)
-
-    backend = ExtrasFallbackBackend(PlainOnly())
-    assert not backend.supports_cuda_graphs and backend.name == "torch"
-    family = families["gemma2"]
-    engine = family.engine()
-    engine.runner.backend = backend
-    assert greedy(engine, prompts(), "wrapped") == family.expected
-    # Every Gemma 2 layer has a cap, so all went to the fallback; Qwen3's layer 0 is plain.
-    assert PlainOnly.num_calls == 0
-    qwen3 = families["qwen3"].engine()
-    qwen3.runner.backend = backend
-    assert greedy(qwen3, prompts(), "wrapped") == families["qwen3"].expected
-    assert PlainOnly.num_calls > 0
-
-
 def test_qwen3_moe_layers_are_sparse_where_transformers_puts_its_moe_blocks() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
