@@ -88,6 +88,7 @@ def gateway(
 
     from qworker.gateway.app import create_app
     from qworker.gateway.auth import ApiKeyError, load_api_keys
+    from qworker.gateway.http_protocol import server_options
 
     queue = _one_of(queue, queue_url_file, "--queue")
     results = _one_of(results, results_url_file, "--results")
@@ -110,12 +111,5 @@ def gateway(
         f"{len(keys)} API key(s)" if keys else "no API keys (open)",
     )
     uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level.lower(),
-        limit_concurrency=settings.limit_concurrency,
-        timeout_keep_alive=settings.timeout_keep_alive_s,
-        # Reading a request's headers and body: a slowloris client is cut off after this.
-        h11_max_incomplete_event_size=64 * 1024,
+        app, host=settings.host, port=settings.port, log_level=log_level.lower(), **server_options(settings)
     )

@@ -66,10 +66,20 @@ class GatewaySettings:
     )
     limit_concurrency: int = field(
         default=4096,
-        metadata={"help": "Open connections uvicorn serves at once; beyond: 503 (idle ones included)"},
+        metadata={
+            "help": "Open connections served at once (idle ones included); one more gets 503 and "
+            "is closed at once"
+        },
     )
     timeout_keep_alive_s: int = field(
         default=5, metadata={"help": "Seconds an idle keep-alive connection stays open"}
+    )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds a connection may take to send a request line and headers (a new "
+            "connection, or a new request on a kept-alive one); past it: 408 and closed"
+        },
     )
     default_max_tokens: int = field(
         default=4096,
@@ -133,6 +143,7 @@ class GatewaySettings:
             "demand_interval_s": self.demand_interval_s,
             "max_inflight_requests": self.max_inflight_requests,
             "limit_concurrency": self.limit_concurrency,
+            "header_timeout_s": self.header_timeout_s,
             "default_max_tokens": self.default_max_tokens,
             # issue 23
             "max_file_bytes": self.max_file_bytes,

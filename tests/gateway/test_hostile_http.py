@@ -17,6 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from qworker.gateway.app import create_app
+from qworker.gateway.http_protocol import server_options
 from qworker.gateway.settings import GatewaySettings
 from qworker.worker.connections import open_sink, open_source
 from qworker.worker.fake_engine import FakeEngine
@@ -29,6 +30,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # Examples per operation: the whole run stays within a few seconds on 2 cores. The longer run:
 #   QWORKER_GATEWAY_FUZZ_EXAMPLES=1000 .venv/bin/python -m pytest tests/gateway/test_hostile_http.py -k fuzz
 MAX_EXAMPLES = int(os.environ.get("QWORKER_GATEWAY_FUZZ_EXAMPLES", "8"))
+HEADER_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +89,17 @@ def app(fake_pool, tmp_path_factory):
         request_timeout_s=5,
         max_body_bytes=1 << 20,
         max_model_len=256,
+        limit_concurrency=40,
+        timeout_keep_alive_s=1,
+        header_timeout_s=HEADER_TIMEOUT_S,
     )
     return create_app(settings, queue=url, api_keys=frozenset({KEY}))
 
 
 @pytest.fixture(scope="module")
 def served(app):
-    with serve_app(app, limit_concurrency=40, timeout_keep_alive=1) as gateway:
+    # The connection options of `qworker gateway` itself: the head deadline and the hard cap.
+    with serve_app(app, **server_options(app.state.gateway.settings)) as gateway:
         yield gateway
 
 
@@ -223,31 +229,72 @@ def test_auth(served):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "ab"
 
 
+def _read_until_closed(sock: socket.socket, limit_s: float) -> bytes:
+    """What the server sends before it closes `sock` (socket.timeout past `limit_s`)."""
+    sock.settimeout(limit_s)
+    received = b""
+    while chunk := sock.recv(4096):
+        received += chunk
+    return received
+
+
 @pytest.mark.timeout(60)
-def test_slow_headers_and_idle_connections(served):
-    """A client that sends its headers a byte at a time, and 30 idle connections: other requests
-    are still served. Past uvicorn's limit_concurrency (40 here), a request gets 503."""
+def test_slow_headers_are_cut_off_while_others_are_served(served):
+    """A slowloris client dribbling its request head a byte at a time gets a 408 in OpenAI's
+    error shape and is closed after --header-timeout-s (1 s here), while other requests are
+    served; a connection that sends nothing at all is closed the same way."""
     host, port = served.url.removeprefix("http://").split(":")
-    idle = [socket.create_connection((host, int(port))) for _ in range(30)]
     slow = socket.create_connection((host, int(port)))
+    silent = socket.create_connection((host, int(port)))
+    started = time.monotonic()
     try:
-        for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\n":
-            slow.send(bytes([byte]))
-            time.sleep(0.005)
-        ok = httpx.get(f"{served.url}/v1/models", headers=AUTH, timeout=5)
-        assert ok.status_code == 200
-        more = [socket.create_connection((host, int(port))) for _ in range(15)]
-        try:
-            refused = httpx.get(f"{served.url}/v1/models", headers=AUTH, timeout=5)
-            assert refused.status_code == 503
-        finally:
-            for s in more:
-                s.close()
+        head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1000
+        sent = 0
+        while time.monotonic() - started < HEADER_TIMEOUT_S + 5:
+            try:
+                slow.send(head[sent % len(head) : sent % len(head) + 1])
+            except OSError:  # the server closed it: the reset reaches the next send
+                break
+            sent += 1
+            if sent % 20 == 0:
+                ok = httpx.get(f"{served.url}/v1/models", headers=AUTH, timeout=5)
+                assert ok.status_code == 200
+            time.sleep(0.01)
+        answer = _read_until_closed(slow, 10)
+        elapsed = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b'"type":"timeout"' in answer.replace(b" ", b"")
+        # Cut off near the deadline (not at once, and long before the loop's own end).
+        assert HEADER_TIMEOUT_S * 0.9 <= elapsed < HEADER_TIMEOUT_S + 5
+        quiet = _read_until_closed(silent, 10)
+        assert quiet.startswith(b"HTTP/1.1 408 ")
     finally:
-        for s in [*idle, slow]:
+        slow.close()
+        silent.close()
+
+
+@pytest.mark.timeout(60)
+def test_idle_connections_are_bounded(served):
+    """Connections over --limit-concurrency (40 here) get a 503 at once and are closed; the open
+    ones are closed after the head deadline, and the gateway serves again."""
+    host, port = served.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(45)]
+    try:
+        answers = []
+        for s in idle[-5:]:
+            answers.append(_read_until_closed(s, 5))
+        # The 40 first hold the slots: the last ones are refused without sending a byte.
+        assert all(a.startswith(b"HTTP/1.1 503 ") for a in answers), [a[:40] for a in answers]
+        for s in idle[:5]:
+            answer = _read_until_closed(s, 10)
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:80]
+    finally:
+        for s in idle:
             s.close()
-    time.sleep(0.2)
-    assert httpx.get(f"{served.url}/v1/models", headers=AUTH, timeout=5).status_code == 200
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{served.url}/v1/models", headers=AUTH, timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the gateway did not serve again once the idle ones closed"
+        time.sleep(0.1)
 
 
 @pytest.mark.timeout(30)

@@ -14,6 +14,7 @@ def test_gateway_imports_no_torch():
         "qworker.gateway",
         "qworker.gateway.app",
         "qworker.gateway.command",
+        "qworker.gateway.http_protocol",
         "qworker.gateway.generation",
         "qworker.gateway.tokenizer",
         "qworker.gateway.routes.tokenize",
