@@ -40,6 +40,8 @@ BACKENDS: dict[str, str] = {
     "s3": "qworker.worker.backends.s3",
     "celery+redis": "qworker.worker.backends.celery",
     "celery+rediss": "qworker.worker.backends.celery",
+    "celery+amqp": "qworker.worker.backends.celery_amqp",
+    "celery+amqps": "qworker.worker.backends.celery_amqp",
     "memory": "qworker.worker.backends.memory",
 }
 
