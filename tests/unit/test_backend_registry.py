@@ -77,6 +77,7 @@ def test_the_parts_each_backend_provides():
         "redis": everything,
         "celery": everything,
         "sqs": ("open_source", "open_producer", "open_backlog", "open_dead_letters"),
+        "celery+amqp": ("open_source", "open_producer", "open_backlog", "open_dead_letters"),
         "s3": ("open_sink",),
         "memory": ("open_source", "open_producer", "open_sink"),
     }
@@ -89,6 +90,8 @@ def test_the_parts_each_backend_provides():
         "sqs",
         "celery+redis",
         "celery+rediss",
+        "celery+amqp",
+        "celery+amqps",
     )
 
 
@@ -101,6 +104,7 @@ def test_the_parts_each_backend_provides():
         (lambda url: connections.open_backlog(url, PoolSizing()), "memory://q", "one process"),
         (lambda url: connections.open_dead_letters(url), "memory://q", "qworker dlq"),
         (lambda url: connections.open_dead_letters(url), "s3://bucket/p", "S3 stores results"),
+        (lambda url: connections.open_sink(url), "celery+amqp://h/?queue=q", "RabbitMQ stores no results"),
     ],
 )
 def test_a_missing_part_says_why_and_what_would_serve(opener, url, words):
