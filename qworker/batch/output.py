@@ -14,6 +14,7 @@ import logging
 import os
 from io import BufferedWriter
 from pathlib import Path
+from typing import Protocol
 
 from qworker.batch.files import Location, download, upload
 from qworker.batch.format import BatchOutputLine
@@ -117,15 +118,28 @@ class OutputFile:
             self.path.unlink()
 
 
+class LineSink(Protocol):
+    """What BatchOutput writes to: an OutputFile here, or the gateway's parts in its file store
+    (gateway/output_parts.py)."""
+
+    def load(self, resume: bool) -> set[str]: ...
+
+    def open(self) -> None: ...
+
+    def write(self, line: BatchOutputLine) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class BatchOutput:
     """Where each line goes: error lines to the errors file when there is one, else all to output."""
 
-    def __init__(self, output: OutputFile, errors: OutputFile | None) -> None:
+    def __init__(self, output: LineSink, errors: LineSink | None) -> None:
         self.output = output
         self.errors = errors
 
     @property
-    def files(self) -> list[OutputFile]:
+    def files(self) -> list[LineSink]:
         return [self.output] if self.errors is None else [self.output, self.errors]
 
     def load(self, resume: bool) -> set[str]:
@@ -147,4 +161,5 @@ class BatchOutput:
 
     def publish(self) -> None:
         for file in self.files:
+            assert isinstance(file, OutputFile), "only local and S3 output files are published"
             file.publish()

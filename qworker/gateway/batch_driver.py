@@ -6,10 +6,15 @@ row is never enqueued twice, whichever replica drives the batch and however ofte
 Every replica runs one scanner thread. It looks at the store's set of active batches, takes a
 lease on one it is not driving (leases.py), and drives it in a thread of its own while extending
 the lease. A killed replica's lease expires and another replica (or its restart) carries the
-batch on: output lines are written to a staging file in the local work directory as rows finish
-(a restart on the same machine resumes from it), and rows already finished are collected from the
-result store (a replica elsewhere rebuilds the output from there). At the end the output and
-error files are published to the file store and the batch completes.
+batch on: output and error lines reach the file store in parts as rows finish (output_parts.py),
+so the next driver skips every row in a stored part and collects the few that were finished but
+only buffered from the result store. At the end the parts are joined into the output and error
+files that the batch object names, and the batch completes.
+
+A batch whose driver keeps failing (an exception, or a replica killed while driving it) is
+started at most --max-batch-attempts times; then it ends `failed`, with the last error in its
+`errors`, instead of being retried forever. A driver that stops cleanly (its replica shuts down,
+or its lease moved to another replica) does not count.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qworker.batch.files import BatchLocationError, iter_rows, parse_location
-from qworker.batch.output import BatchOutput, OutputFile
+from qworker.batch.files import BatchLocationError, iter_rows
+from qworker.batch.output import BatchOutput
 from qworker.batch.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
 from qworker.batch.progress import BatchSummary, Progress, ProgressMode
 from qworker.batch.rows import prepare_rows
@@ -39,6 +44,7 @@ from qworker.gateway.batch_objects import (
 )
 from qworker.gateway.file_store import FileStore
 from qworker.gateway.leases import Leases
+from qworker.gateway.output_parts import OutputParts
 from qworker.gateway.records import Records
 from qworker.gateway.settings import GatewaySettings
 from qworker.worker.client import Client
@@ -54,6 +60,11 @@ MAX_ERRORS = 1000
 
 def cancel_flag_key(records: Records, batch_id: str) -> str:
     return records.key("cancel", BATCH_KIND, batch_id)
+
+
+def attempts_key(records: Records, batch_id: str) -> str:
+    """Drivers started on the batch that did not end cleanly (a hash: count, last error)."""
+    return records.key("attempts", BATCH_KIND, batch_id)
 
 
 class _Stop(Exception):
@@ -126,15 +137,30 @@ class BatchDriver:
 
     def _drive(self, batch_id: str) -> None:
         with self.leases.held(BATCH_KIND, batch_id) as lost:
+            key = attempts_key(self.records, batch_id)
+            # Counted when it starts, so that a replica killed while driving counts too.
+            attempt = int(self.records.redis.hincrby(key, "count", 1))
+            self.records.redis.expire(key, self.records.ttl_s)
+            if attempt > self.settings.max_batch_attempts:
+                last = self.records.redis.hget(key, "last_error")
+                self._fail_attempts(batch_id, attempt - 1, last.decode() if last else None)
+                return
             try:
                 self._drive_held(batch_id, lost)
             except _Stop:
-                logger.info("batch %s: lease lost, another replica carries it on", batch_id)
+                self.records.redis.hincrby(key, "count", -1)  # a clean stop is no failed attempt
+                logger.info("batch %s: lease lost or shutting down; it is carried on", batch_id)
             except BatchLocationError as exc:
                 # The input file is gone (deleted, or its store lost it): nothing can run it.
                 self._fail_unreadable(batch_id, str(exc))
-            except Exception:
-                logger.exception("batch %s: driving failed; it is retried", batch_id)
+            except Exception as exc:
+                self.records.redis.hset(key, "last_error", f"{type(exc).__name__}: {exc}"[:2000])
+                logger.exception(
+                    "batch %s: driving failed (attempt %d of %d)",
+                    batch_id,
+                    attempt,
+                    self.settings.max_batch_attempts,
+                )
 
     def _drive_held(self, batch_id: str, lost: threading.Event) -> None:
         loaded = self._load(batch_id)
@@ -151,6 +177,25 @@ class BatchDriver:
         if lost.is_set():
             raise _Stop()
         self._run(batch, owner, lost)
+
+    def _fail_attempts(self, batch_id: str, num_attempts: int, last_error: str | None) -> None:
+        loaded = self._load(batch_id)
+        if loaded is None or is_terminal(loaded[0]):
+            self.records.deactivate(BATCH_KIND, batch_id)
+            return
+        batch, owner = loaded
+        message = (
+            f"driving the batch failed {num_attempts} times (--max-batch-attempts); the last "
+            f"error: {last_error or 'none recorded (the replica driving it was killed)'}"
+        )
+        batch["errors"] = {
+            "object": "list",
+            "data": [{"code": "batch_driver_failed", "message": message, "param": None, "line": None}],
+        }
+        logger.warning("batch %s: %s", batch_id, message)
+        # The rows that finished stay: their parts become the output and error files.
+        self._publish_parts(batch, owner)
+        self._finish(batch, owner, BatchStatus.FAILED)
 
     def _fail_unreadable(self, batch_id: str, message: str) -> None:
         loaded = self._load(batch_id)
@@ -171,6 +216,7 @@ class BatchDriver:
         self._save(batch, owner)
         self.records.deactivate(BATCH_KIND, batch["id"])
         self.records.redis.delete(cancel_flag_key(self.records, batch["id"]))
+        self.records.redis.delete(attempts_key(self.records, batch["id"]))
         logger.info("batch %s: %s %s", batch["id"], status.value, batch["request_counts"])
 
     def _validate(self, batch: dict[str, Any], owner: str) -> bool:
@@ -214,12 +260,7 @@ class BatchDriver:
 
     def _run(self, batch: dict[str, Any], owner: str, lost: threading.Event) -> None:
         batch_id = batch["id"]
-        output_file = OutputFile(
-            parse_location(str(self.work_dir / f"{batch_id}.output.jsonl")), self.work_dir
-        )
-        errors_file = OutputFile(
-            parse_location(str(self.work_dir / f"{batch_id}.errors.jsonl")), self.work_dir
-        )
+        output_file, errors_file = self._parts(batch_id)
         output = BatchOutput(output_file, errors_file)
         ok_ids = output_file.load(resume=True)
         failed_ids = errors_file.load(resume=True)
@@ -245,6 +286,8 @@ class BatchDriver:
             if now - last_check < CHECK_INTERVAL_S:
                 return False
             last_check = now
+            output_file.flush_if_old()
+            errors_file.flush_if_old()
             if self.records.redis.exists(cancel_flag_key(self.records, batch_id)):
                 stop_reason.append(BatchStatus.CANCELLING)
                 if batch["status"] != BatchStatus.CANCELLING.value:
@@ -291,21 +334,33 @@ class BatchDriver:
             final = BatchStatus.COMPLETED
         set_status(batch, BatchStatus.FINALIZING)
         self._save(batch, owner)
-        options = self.records.get(BATCH_OPTIONS_KIND, batch_id) or {}
-        expiry_s = options.get("output_expiry_s") or self.settings.file_expiry_s
-        batch["output_file_id"] = self._publish(output_file.path, owner, expiry_s)
-        batch["error_file_id"] = self._publish(errors_file.path, owner, expiry_s)
+        self._publish_parts(batch, owner)
         self._finish(batch, owner, final)
-        output_file.path.unlink(missing_ok=True)
-        errors_file.path.unlink(missing_ok=True)
 
-    def _publish(self, path: Path, owner: str, expiry_s: int) -> str | None:
-        """The staging file as a `batch_output` file of the owner; None when it holds no line."""
-        if not path.exists() or path.stat().st_size == 0:
-            return None
+    def _parts(self, batch_id: str) -> tuple[OutputParts, OutputParts]:
+        return (
+            OutputParts(self.files, self.records, batch_id, "output"),
+            OutputParts(self.files, self.records, batch_id, "errors"),
+        )
+
+    def _publish_parts(self, batch: dict[str, Any], owner: str) -> None:
+        """Join the stored parts into the batch's output and error files (none for a file with
+        no line), then delete the parts."""
+        options = self.records.get(BATCH_OPTIONS_KIND, batch["id"]) or {}
+        expiry_s = options.get("output_expiry_s") or self.settings.file_expiry_s
+        output_parts, error_parts = self._parts(batch["id"])
+        batch["output_file_id"] = self._publish(output_parts, f"{batch['id']}_output.jsonl", owner, expiry_s)
+        batch["error_file_id"] = self._publish(error_parts, f"{batch['id']}_error.jsonl", owner, expiry_s)
+        for parts in (output_parts, error_parts):
+            parts.delete_parts()
+
+    def _publish(self, parts: OutputParts, name: str, owner: str, expiry_s: int) -> str | None:
+        """The parts as one `batch_output` file of the owner; None when they hold no line."""
         file_id = new_id("file")
-        self.files.put_path(file_id, path)
-        obj = file_object(file_id, path.name, "batch_output", path.stat().st_size, expiry_s)
+        num_bytes = parts.join_into(file_id)
+        if num_bytes == 0:
+            return None
+        obj = file_object(file_id, name, "batch_output", num_bytes, expiry_s)
         self.records.create(FILE_KIND, file_id, owner, {"owner": owner, "file": obj})
         return file_id
 

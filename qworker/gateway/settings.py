@@ -107,6 +107,13 @@ class GatewaySettings:
         default=15.0,
         metadata={"help": "Lease on a batch this replica drives; a killed replica's batch moves on after it"},
     )
+    max_batch_attempts: int = field(
+        default=5,
+        metadata={
+            "help": "Drivers a batch gets that fail or are killed before it ends failed, with the last "
+            "error in its errors (a clean shutdown does not count)"
+        },
+    )
     max_driven_batches: int = field(
         default=4, metadata={"help": "Batches this replica drives at once (one thread each)"}
     )
@@ -151,6 +158,7 @@ class GatewaySettings:
             "file_expiry_s": self.file_expiry_s,
             "batch_lease_s": self.batch_lease_s,
             "max_driven_batches": self.max_driven_batches,
+            "max_batch_attempts": self.max_batch_attempts,
             "webhook_max_attempts": self.webhook_max_attempts,
             "webhook_timeout_s": self.webhook_timeout_s,
             "webhook_backoff_s": self.webhook_backoff_s,

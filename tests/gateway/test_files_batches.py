@@ -362,13 +362,19 @@ def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
     assert done.cancelled_at >= done.cancelling_at
 
 
+def output_parts(files_bucket, batch_id: str) -> set[str]:
+    """The keys of the batch's output parts in the file store (gateway/output_parts.py)."""
+    return {key for key in stored_keys(files_bucket) if f"part-{batch_id}-output-" in key}
+
+
 def run_killing_the_driver(
-    pool_url: str, worker: Path, replicas: list[GatewayProcess], seed: int, restart: bool
+    pool_url: str, worker: Path, replicas: list[GatewayProcess], files_bucket, seed: int, restart: bool
 ) -> set[str]:
-    """A batch created on replicas[0]; once 4 rows are done, the replica driving it is SIGKILLed
-    (and, with `restart`, started again with its work directory). The batch completes with one
-    line per custom_id, every row enqueued once and none run to completion twice. Returns the
-    names of the replicas that drove it."""
+    """A batch created on replicas[0]; once 4 rows are done and a part of its output is in the
+    file store (written as rows finish), the replica driving it is SIGKILLed (and, with
+    `restart`, started again with its work directory). The batch completes with one line per
+    custom_id, every row enqueued once and none run to completion twice, and its parts are gone.
+    Returns the names of the replicas that drove it."""
     client = sdk(replicas[0])
     # Rows long enough (24-48 tokens, four at a time) that the batch outlasts the kill however
     # fast the machine: with 3-16 tokens a quiet machine finished all 60 before the first reading.
@@ -378,7 +384,9 @@ def run_killing_the_driver(
         input_file_id=upload(client, rows), endpoint=COMPLETIONS_URL, completion_window="24h"
     )
     deadline = time.monotonic() + 60
-    while client.batches.retrieve(batch.id).request_counts.completed < 4:
+    while client.batches.retrieve(batch.id).request_counts.completed < 4 or not output_parts(
+        files_bucket, batch.id
+    ):
         assert time.monotonic() < deadline, replicas[0].log_text()
         time.sleep(0.05)
     [driver] = [r for r in replicas if r.is_driving(batch.id)]
@@ -395,15 +403,16 @@ def run_killing_the_driver(
     # Every row was put on the queue once, and none ran to completion twice.
     assert entries_added(pool_url) - num_before == len(rows)
     assert "already had a result" not in worker.read_text()
+    assert not output_parts(files_bucket, batch.id), "the parts were joined and deleted"
     return {r.name for r in replicas if f"batch {batch.id}: driving" in r.log_path.read_text()} | {
         driver.name
     }
 
 
 @pytest.mark.timeout(150)
-def test_a_gateway_sigkilled_mid_batch_and_restarted_completes_it(gateway, worker, pool_url):
+def test_a_gateway_sigkilled_mid_batch_and_restarted_completes_it(gateway, worker, pool_url, files_bucket):
     """One replica, killed and started again on its work directory: it resumes the batch."""
-    run_killing_the_driver(pool_url, worker, [gateway], seed=7, restart=True)
+    run_killing_the_driver(pool_url, worker, [gateway], files_bucket, seed=7, restart=True)
     assert "driving it (in_progress)" in gateway.log_text(), "the restart carried the batch on"
 
 
@@ -416,7 +425,9 @@ def test_two_replicas_one_sigkilled_mid_batch_the_other_completes_it(
     second = GatewayProcess(pool_url, files_bucket[1], tmp_path, "b")
     second.start()
     try:
-        drivers = run_killing_the_driver(pool_url, worker, [gateway, second], seed=11, restart=False)
+        drivers = run_killing_the_driver(
+            pool_url, worker, [gateway, second], files_bucket, seed=11, restart=False
+        )
         assert drivers == {"a", "b"}
     finally:
         second.stop()
