@@ -58,9 +58,12 @@ def test_every_result_scheme_opens_its_sink(url, sink_class):
 
 
 def test_the_result_cases_cover_the_table():
-    covered = {"redis", "rediss", "unix", "s3", "celery+redis", "celery+rediss", "memory"}
+    # The cluster and Sentinel schemes connect when opened: their sinks are opened on real ones
+    # in tests/integration/test_redis_cluster.py and test_redis_sentinel.py.
+    topologies = {"redis+cluster", "rediss+cluster", "redis+sentinel"}
+    covered = {"redis", "rediss", "unix", "s3", "celery+redis", "celery+rediss", "memory"} | topologies
     assert set(result_schemes()) == covered
-    queue_cases = {"redis", "rediss", "unix", "sqs", "celery+redis", "celery+rediss", "memory"}
+    queue_cases = {"redis", "rediss", "unix", "sqs", "celery+redis", "celery+rediss", "memory"} | topologies
     assert set(queue_schemes()) == queue_cases
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from qworker.worker.backends.backlog import DEFAULT_SAMPLE_LIMIT, Backlog, QueueWork
 from qworker.worker.backends.redis import keys
 from qworker.worker.backends.redis.connection import parse_redis_url, redis_client
+from qworker.worker.backends.redis.streams import queue_streams
 from qworker.worker.demand import PoolSizing, Work, body_blocks, extrapolate
 from qworker.worker.text import as_text
 from qworker.worker.urls import url_number
@@ -103,10 +104,11 @@ class RedisStreamBacklog:
 def open_backlog(url: str, sizing: PoolSizing, lease_timeout_s: float | None) -> Backlog:
     # The same parsing as the source's: the same parameters, checked the same way.
     parsed = parse_redis_url(url)
+    redis = redis_client(parsed.connection_url)
     return RedisStreamBacklog(
-        redis_client(parsed.connection_url),
+        redis,
         sizing,
-        stream=parsed.params.get("stream", keys.DEFAULT_STREAM),
+        stream=queue_streams(url, parsed, redis)[0],
         group=parsed.params.get("group", keys.DEFAULT_GROUP),
         lease_timeout_s=lease_timeout_s or url_number(parsed.params, "lease_timeout_s", 30.0),
     )

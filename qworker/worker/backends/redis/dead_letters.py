@@ -14,14 +14,29 @@ from qworker.worker.backends.dead_letters import (
     with_replay_id,
 )
 from qworker.worker.backends.redis import keys
-from qworker.worker.backends.redis.connection import parse_redis_url, redis_client
+from qworker.worker.backends.redis.connection import (
+    NO_WAIT,
+    Durability,
+    durability,
+    parse_redis_url,
+    redis_client,
+)
+from qworker.worker.backends.redis.streams import queue_streams
 from qworker.worker.backends.sink import ResultSink
 from qworker.worker.text import as_text
 
 
 class RedisStreamDeadLetters(DeadLetterQueue):
-    def __init__(self, redis: Any, *, stream: str, dead_letter_stream: str) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        stream: str,
+        dead_letter_stream: str,
+        durable: Durability = NO_WAIT,
+    ) -> None:
         self.redis = redis
+        self.durable = durable
         self.stream = stream
         self.dead_letter_stream = dead_letter_stream
 
@@ -77,6 +92,7 @@ class RedisStreamDeadLetters(DeadLetterQueue):
             pipe.xadd(target, fields)
             pipe.xdel(self.dead_letter_stream, letter.id)
             pipe.execute()
+            self.durable.wait(self.redis)
         return letters
 
     def purge(self) -> int:
@@ -90,9 +106,6 @@ class RedisStreamDeadLetters(DeadLetterQueue):
 
 def open_dead_letters(url: str) -> RedisStreamDeadLetters:
     parsed = parse_redis_url(url)
-    stream = parsed.params.get("stream", keys.DEFAULT_STREAM)
-    return RedisStreamDeadLetters(
-        redis_client(parsed.connection_url),
-        stream=stream,
-        dead_letter_stream=parsed.params.get("dead_letter", keys.dead_letter_stream(stream)),
-    )
+    redis = redis_client(parsed.connection_url)
+    stream, dead = queue_streams(url, parsed, redis)
+    return RedisStreamDeadLetters(redis, stream=stream, dead_letter_stream=dead, durable=durability(parsed))

@@ -7,6 +7,9 @@ the same layout (docs/queues.md).
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+
 # The job stream and its consumer group.
 DEFAULT_STREAM = "qworker:jobs"
 DEFAULT_GROUP = "qworker"
@@ -74,3 +77,41 @@ def worker_stats_key(prefix: str, worker_name: str) -> str:
 
 def worker_stats_prefix(prefix: str) -> str:
     return f"{prefix}:worker:"
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where one deployment's keys live. A single server (redis://, Sentinel) keeps the names
+    above unchanged. A cluster (redis+cluster://) puts hash tags in them, so that every multi-key
+    command and script stays within one slot: a queue's stream, lane and dead letters share
+    `{stream}`, and a job's result, deltas, cancel flag and last error share `{job_id}`
+    (docs/WORKER.md, "Redis Cluster and Sentinel")."""
+
+    hash_tags: bool
+
+    def stream(self, name: str) -> str:
+        """The key of a job stream named `name` (its lane and dead letters follow from it)."""
+        if not self.hash_tags or _has_hash_tag(name):
+            return name
+        return "{" + name + "}"
+
+    def job(self, job_id: str) -> str:
+        """The job's part of its keys: a hash tag on a cluster. A job id with braces of its own
+        would end the tag early (or make an empty one that tags nothing), so its digest is the
+        tag; it stays the same for every key of the job."""
+        if not self.hash_tags:
+            return job_id
+        if "{" in job_id or "}" in job_id:
+            return "{" + hashlib.blake2b(job_id.encode(), digest_size=12).hexdigest() + "}" + job_id
+        return "{" + job_id + "}"
+
+
+SINGLE_SERVER = KeyLayout(hash_tags=False)
+CLUSTER = KeyLayout(hash_tags=True)
+
+
+def _has_hash_tag(key: str) -> bool:
+    """Whether Redis Cluster hashes `key` by a tag: a non-empty {...} (its first { and the next })."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start != -1 else -1
+    return end > start + 1

@@ -6,8 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from qworker.worker.backends.redis import keys
-from qworker.worker.backends.redis.connection import parse_redis_url, redis_client
-from qworker.worker.backends.redis.streams import ensure_group
+from qworker.worker.backends.redis.connection import (
+    NO_WAIT,
+    Durability,
+    durability,
+    parse_redis_url,
+    redis_client,
+)
+from qworker.worker.backends.redis.streams import ensure_group, queue_streams
 from qworker.worker.backends.source import JobProducer, OutgoingJob
 from qworker.worker.text import as_text
 from qworker.worker.urls import url_integer
@@ -21,8 +27,10 @@ class RedisStreamProducer(JobProducer):
         stream: str = keys.DEFAULT_STREAM,
         group: str = keys.DEFAULT_GROUP,
         high_lane_max_priority: int | None = None,
+        durable: Durability = NO_WAIT,
     ):
         self.redis = redis
+        self.durable = durable
         self.stream = stream
         self.group = group
         self.high_stream = keys.high_lane_stream(stream)
@@ -41,9 +49,11 @@ class RedisStreamProducer(JobProducer):
         pipe = self.redis.pipeline(transaction=False)
         for job, lane in zip(jobs, lanes, strict=True):
             pipe.xadd(lane, {keys.FIELD_JOB_ID: job.job_id, keys.FIELD_BODY: job.body})
+        entry_ids = pipe.execute()
+        self.durable.wait(self.redis)
         return [
             keys.HIGH_LANE_PREFIX + as_text(x) if lane == self.high_stream else as_text(x)
-            for x, lane in zip(pipe.execute(), lanes, strict=True)
+            for x, lane in zip(entry_ids, lanes, strict=True)
         ]
 
     def queue_depth(self) -> int | None:
@@ -58,9 +68,12 @@ class RedisStreamProducer(JobProducer):
 
 def open_producer(url: str, payload_location: str | None) -> RedisStreamProducer:
     parsed = parse_redis_url(url)
+    redis = redis_client(parsed.connection_url)
+    stream, _ = queue_streams(url, parsed, redis)
     return RedisStreamProducer(
-        redis_client(parsed.connection_url),
-        stream=parsed.params.get("stream", keys.DEFAULT_STREAM),
+        redis,
+        stream=stream,
         group=parsed.params.get("group", keys.DEFAULT_GROUP),
         high_lane_max_priority=url_integer(parsed.params, "high_lane_max_priority"),
+        durable=durability(parsed),
     )

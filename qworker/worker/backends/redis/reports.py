@@ -26,7 +26,11 @@ def read_worker_reports(redis: Any, prefix: str = keys.DEFAULT_RESULT_PREFIX) ->
     if not stats_keys:
         return []
     reports = []
-    for key, payload in zip(stats_keys, redis.mget(stats_keys), strict=True):
+    # GETs in a pipeline, not one MGET: on a cluster the reports sit in many slots.
+    pipe = redis.pipeline(transaction=False)
+    for key in stats_keys:
+        pipe.get(key)
+    for key, payload in zip(stats_keys, pipe.execute(), strict=True):
         if payload is None:  # expired between SCAN and MGET
             continue
         try:

@@ -17,15 +17,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from qworker.worker.backends.redis import keys
-from qworker.worker.backends.redis.connection import URL_PARAMS, parse_redis_url, redis_client
+from qworker.worker.backends.redis.connection import (
+    NO_WAIT,
+    URL_PARAMS,
+    Durability,
+    durability,
+    key_layout,
+    parse_redis_url,
+    worker_client,
+)
 from qworker.worker.backends.sink import Delta, ResultSink, latest_attempt
 from qworker.worker.jobs import JobResult
-from qworker.worker.retry import bound_socket_timeouts
-from qworker.worker.urls import url_number
+from qworker.worker.urls import InvalidURLError, redact_url, url_number
 
 # A live reader wakes at least this often to check for a result written without a done marker
 # reaching it (its delta stream expired or was trimmed).
@@ -42,8 +49,12 @@ class RedisResultSink(ResultSink):
         result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
         delta_ttl_s: int = keys.DEFAULT_DELTA_TTL_S,
         delta_maxlen: int = keys.DEFAULT_DELTA_MAXLEN,
+        layout: keys.KeyLayout = keys.SINGLE_SERVER,
+        durable: Durability = NO_WAIT,
     ) -> None:
         self.redis = redis
+        self.layout = layout
+        self.durable = durable
         self.prefix = prefix
         self.result_ttl_s = result_ttl_s
         self.delta_ttl_s = delta_ttl_s
@@ -56,7 +67,7 @@ class RedisResultSink(ResultSink):
             return
         pipe = self.redis.pipeline(transaction=False)
         for delta in deltas:
-            key = keys.delta_stream_key(self.prefix, delta.job_id)
+            key = self._key(keys.delta_stream_key, delta.job_id)
             fields: dict[str, Any]
             if delta.attempt is not None:
                 fields = {keys.DELTA_FIELD_ATTEMPT: delta.attempt}
@@ -74,35 +85,36 @@ class RedisResultSink(ResultSink):
 
     def write_result(self, result: JobResult) -> bool:
         self._has_expiry.discard(result.id)
-        key = keys.result_key(self.prefix, result.id)
-        deltas_key = keys.delta_stream_key(self.prefix, result.id)
+        key = self._key(keys.result_key, result.id)
+        deltas_key = self._key(keys.delta_stream_key, result.id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(key, result.model_dump_json(), nx=True, ex=self.result_ttl_s)
         pipe.xadd(deltas_key, {keys.DELTA_FIELD_DONE: result.status.value}, maxlen=self.delta_maxlen)
         pipe.expire(deltas_key, self.delta_ttl_s)
         is_stored, _, _ = pipe.execute()
+        self.durable.wait(self.redis)
         return bool(is_stored)
 
     def end_deltas(self, job_id: str, status: str) -> None:
         self._has_expiry.discard(job_id)
-        key = keys.delta_stream_key(self.prefix, job_id)
+        key = self._key(keys.delta_stream_key, job_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(key, {keys.DELTA_FIELD_DONE: status}, maxlen=self.delta_maxlen)
         pipe.expire(key, self.delta_ttl_s)
         pipe.execute()
 
     def has_result(self, job_id: str) -> bool:
-        return bool(self.redis.exists(keys.result_key(self.prefix, job_id)))
+        return bool(self.redis.exists(self._key(keys.result_key, job_id)))
 
     def get_result(self, job_id: str) -> JobResult | None:
-        raw = self.redis.get(keys.result_key(self.prefix, job_id))
+        raw = self.redis.get(self._key(keys.result_key, job_id))
         return JobResult.model_validate_json(raw) if raw is not None else None
 
     def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
         """The job's deltas and attempt markers. What is already in the stream is read at once,
         from its latest attempt marker on: text that a later attempt superseded is never yielded
         (the stream holds at most about `delta_maxlen` entries)."""
-        key = keys.delta_stream_key(self.prefix, job_id)
+        key = self._key(keys.delta_stream_key, job_id)
         last_id: Any = "0-0"
         last_progress = time.monotonic()
         backlog = self.redis.xrange(key, "-", "+")
@@ -134,12 +146,16 @@ class RedisResultSink(ResultSink):
                     raise TimeoutError(f"no output from job {job_id} for {timeout_s:.1f}s")
 
     def request_cancel(self, job_id: str) -> None:
-        self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=keys.DEFAULT_CANCEL_TTL_S)
+        self.redis.set(self._key(keys.cancel_key, job_id), b"1", ex=keys.DEFAULT_CANCEL_TTL_S)
 
     def cancelled_ids(self, job_ids: list[str]) -> set[str]:
         if not job_ids:
             return set()
-        flags = self.redis.mget([keys.cancel_key(self.prefix, job_id) for job_id in job_ids])
+        # GETs in a pipeline, not one MGET: on a cluster each flag sits in its job's slot.
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.get(self._key(keys.cancel_key, job_id))
+        flags = pipe.execute()
         return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag is not None}
 
     def write_last_errors(self, job_id_to_error: dict[str, str]) -> None:
@@ -148,11 +164,11 @@ class RedisResultSink(ResultSink):
         pipe = self.redis.pipeline(transaction=False)
         for job_id, error in job_id_to_error.items():
             text = error.encode("utf-8", "backslashreplace")
-            pipe.set(keys.last_error_key(self.prefix, job_id), text, ex=keys.DEFAULT_LAST_ERROR_TTL_S)
+            pipe.set(self._key(keys.last_error_key, job_id), text, ex=keys.DEFAULT_LAST_ERROR_TTL_S)
         pipe.execute()
 
     def last_error(self, job_id: str) -> str | None:
-        raw = self.redis.get(keys.last_error_key(self.prefix, job_id))
+        raw = self.redis.get(self._key(keys.last_error_key, job_id))
         return raw.decode("utf-8", "replace") if raw is not None else None
 
     def write_worker_stats(self, worker_name: str, stats: Any) -> None:
@@ -164,12 +180,19 @@ class RedisResultSink(ResultSink):
     def delete_result(self, job_id: str) -> None:
         self.redis.delete(*self._keys_of(job_id))
 
+    def _key(self, key_of: Callable[[str, str], str], job_id: str) -> str:
+        """A job's key in this store's layout (`key_of`: keys.result_key and its kin)."""
+        return key_of(self.prefix, self.layout.job(job_id))
+
+    def delta_key(self, job_id: str) -> str:
+        return self._key(keys.delta_stream_key, job_id)
+
     def _keys_of(self, job_id: str) -> list[str]:
         """Every key a job has in this store (what delete_result removes)."""
         return [
-            keys.delta_stream_key(self.prefix, job_id),
-            keys.last_error_key(self.prefix, job_id),
-            keys.result_key(self.prefix, job_id),
+            self._key(keys.delta_stream_key, job_id),
+            self._key(keys.last_error_key, job_id),
+            self._key(keys.result_key, job_id),
         ]
 
     def close(self) -> None:
@@ -193,10 +216,19 @@ def _parse_delta(job_id: str, fields: dict[bytes, bytes]) -> Delta | None:
 def open_sink(url: str) -> RedisResultSink:
     # A Redis URL may serve as queue and results at once: the source's parameters are accepted.
     parsed = parse_redis_url(url, URL_PARAMS)
+    layout = key_layout(url)
+    prefix = parsed.params.get("prefix", keys.DEFAULT_RESULT_PREFIX)
+    if layout.hash_tags and ("{" in prefix or "}" in prefix):
+        raise InvalidURLError(
+            f"prefix={prefix!r} in {redact_url(url)!r} has braces; "
+            "on a cluster each job's id is its keys' hash tag"
+        )
     return RedisResultSink(
-        bound_socket_timeouts(redis_client(parsed.connection_url)),
-        prefix=parsed.params.get("prefix", keys.DEFAULT_RESULT_PREFIX),
+        worker_client(parsed.connection_url),
+        prefix=prefix,
         result_ttl_s=int(url_number(parsed.params, "result_ttl_s", keys.DEFAULT_RESULT_TTL_S)),
         delta_ttl_s=int(url_number(parsed.params, "delta_ttl_s", keys.DEFAULT_DELTA_TTL_S)),
         delta_maxlen=int(url_number(parsed.params, "delta_maxlen", keys.DEFAULT_DELTA_MAXLEN)),
+        layout=layout,
+        durable=durability(parsed),
     )

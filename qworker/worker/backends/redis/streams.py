@@ -23,12 +23,18 @@ import time
 from typing import Any
 
 from qworker.worker.backends.redis import keys
-from qworker.worker.backends.redis.connection import parse_redis_url, redis_client
+from qworker.worker.backends.redis.connection import (
+    NO_WAIT,
+    Durability,
+    durability,
+    key_layout,
+    parse_redis_url,
+    worker_client,
+)
 from qworker.worker.backends.source import JobSource, Lease
 from qworker.worker.jobs import job_id_problem
-from qworker.worker.retry import bound_socket_timeouts
 from qworker.worker.text import as_text
-from qworker.worker.urls import url_number
+from qworker.worker.urls import InvalidURLError, ParsedURL, redact_url, url_number
 
 # Extend or release only the entries this consumer still owns: after a stall past the lease,
 # a peer may have claimed one, and a blind XCLAIM would steal it back.
@@ -83,8 +89,10 @@ class RedisStreamSource(JobSource):
         dead_letter_stream: str | None = None,
         lease_timeout_s: float = 30.0,
         reclaim_interval_s: float = 1.0,
+        durable: Durability = NO_WAIT,
     ) -> None:
         self.redis = redis
+        self.durable = durable
         self.stream = stream
         self.group = group
         self.consumer = consumer
@@ -307,6 +315,7 @@ class RedisStreamSource(JobSource):
         pipe.xack(lane, self.group, entry_id)
         pipe.xdel(lane, entry_id)
         pipe.execute()
+        self.durable.wait(self.redis)
 
     # -- stats -------------------------------------------------------------------------------
 
@@ -349,14 +358,44 @@ def _field(fields: dict[Any, Any], name: str) -> Any:
     return value if value is not None else fields.get(name)
 
 
+def queue_streams(url: str, parsed: ParsedURL, redis: Any) -> tuple[str, str]:
+    """(stream key, dead-letter stream key) of a queue URL, in the URL's key layout. On a
+    cluster the stream's name becomes its hash tag, and an InvalidURLError of one line says so
+    when the server still holds the single-server layout's stream, or when a dead_letter stream
+    the URL names would sit in another slot."""
+    name = parsed.params.get("stream", keys.DEFAULT_STREAM)
+    stream = key_layout(url).stream(name)
+    dead = parsed.params.get("dead_letter", keys.dead_letter_stream(stream))
+    if stream == name:
+        return stream, dead
+    from redis.crc import key_slot
+
+    old = [key for key in (name, keys.high_lane_stream(name)) if redis.exists(key)]
+    if old:
+        raise InvalidURLError(
+            f"the cluster at {redact_url(url)!r} holds {old[0]!r}, a stream of the single-server key layout; "
+            f"on a cluster the queue's keys are {stream!r}, {keys.high_lane_stream(stream)!r} and "
+            f"{keys.dead_letter_stream(stream)!r}: drain it with a worker on the old layout first, or "
+            f"move its entries to {stream!r} (XRANGE + XADD) and delete it (docs/WORKER.md)"
+        )
+    if key_slot(dead.encode()) != key_slot(stream.encode()):
+        raise InvalidURLError(
+            f"dead_letter={dead!r} sits in another cluster slot than the stream {stream!r}; "
+            f"give it the stream's hash tag, e.g. dead_letter={stream}:dead"
+        )
+    return stream, dead
+
+
 def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> RedisStreamSource:
     parsed = parse_redis_url(url)
-    stream = parsed.params.get("stream", keys.DEFAULT_STREAM)
+    redis = worker_client(parsed.connection_url)
+    stream, dead = queue_streams(url, parsed, redis)
     return RedisStreamSource(
-        bound_socket_timeouts(redis_client(parsed.connection_url)),
+        redis,
         stream=stream,
         group=parsed.params.get("group", keys.DEFAULT_GROUP),
         consumer=consumer,
-        dead_letter_stream=parsed.params.get("dead_letter", keys.dead_letter_stream(stream)),
+        dead_letter_stream=dead,
         lease_timeout_s=lease_timeout_s or url_number(parsed.params, "lease_timeout_s", 30.0),
+        durable=durability(parsed),
     )
