@@ -6,6 +6,8 @@ slot_mapping[t] = block_id * block_size + offset_in_block.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -71,6 +73,75 @@ def _write_kv_cache_kernel(
     )
 
 
+@triton.jit
+def _write_kv_cache_split_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens] int64
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    # Grid (num_tokens, 2): one program per token and per K or V, twice the programs of
+    # _write_kv_cache_kernel, each half the bytes (decode batches leave most SMs idle otherwise).
+    token = tl.program_id(0).to(tl.int64)
+    is_v = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block_id = slot // block_size
+    offset = slot % block_size
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    if is_v == 0:
+        _copy_token(
+            k_ptr + token * stride_kt,
+            stride_kh,
+            k_cache_ptr + block_id * stride_kcb + offset * stride_kcs,
+            stride_kch,
+            offs_h,
+            offs_d,
+            mask,
+        )
+    else:
+        _copy_token(
+            v_ptr + token * stride_vt,
+            stride_vh,
+            v_cache_ptr + block_id * stride_vcb + offset * stride_vcs,
+            stride_vch,
+            offs_h,
+            offs_d,
+            mask,
+        )
+
+
+# QWORKER_KV_WRITE: the launch shape. "token" (the default): one program per token writing its K
+# and V, 4 warps. "token_kv": one program per token and per K or V, with warps sized to the tile
+# (8 elements, 16 bytes of bf16, per thread). A candidate until a GPU run A/Bs it: the H200 run
+# measured "token" at 27-57% of copy bandwidth.
+KV_WRITE_ENV = "QWORKER_KV_WRITE"
+KV_WRITE_VARIANTS = ("token", "token_kv")
+DEFAULT_KV_WRITE = "token"
+
+
+def kv_write_num_warps(heads_pad: int, head_dim_pad: int) -> int:
+    """Warps for one [heads_pad, head_dim_pad] tile at 8 elements per thread, 1 to 4."""
+    return max(1, min(4, heads_pad * head_dim_pad // (8 * 32)))
+
+
 def _check_args(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -116,14 +187,33 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    variant: str | None = None,
 ) -> None:
     """Store k, v [num_tokens, num_kv_heads, head_dim] into k_cache, v_cache [num_blocks, block_size,
     num_kv_heads, head_dim] at the slots in slot_mapping [num_tokens] int64 (block_id * block_size +
     offset). Slots must be in range and distinct; they are not checked (that would need a device sync).
+    `variant`: a KV_WRITE_VARIANTS launch shape; None reads QWORKER_KV_WRITE (default "token").
     """
     _check_args(k, v, k_cache, v_cache, slot_mapping)
+    variant = variant or os.environ.get(KV_WRITE_ENV) or DEFAULT_KV_WRITE
+    if variant not in KV_WRITE_VARIANTS:
+        raise ValueError(f"{KV_WRITE_ENV} / variant must be one of {KV_WRITE_VARIANTS}, got {variant!r}")
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
+        return
+    heads_pad, head_dim_pad = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    if variant == "token_kv":
+        _write_kv_cache_split_kernel[(num_tokens, 2)](
+            k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            HEADS_PAD=heads_pad,
+            HEAD_DIM_PAD=head_dim_pad,
+            num_warps=kv_write_num_warps(heads_pad, head_dim_pad),
+        )  # fmt: skip
         return
     _write_kv_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -392,15 +393,40 @@ def _num_sms(device_index: int) -> int:
 def choose_decode_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None
 ) -> int:
-    """Number of context splits for split-K decode: enough programs to fill the GPU
-    (`_PROGRAMS_PER_SM` per SM), but no split shorter than `_MIN_TOKENS_PER_SPLIT` tokens."""
+    """Number of context splits for split-K decode on `device`, by the policy that
+    QWORKER_DECODE_SPLITS names (`decode_num_splits`; read per call, so a CUDA graph keeps the
+    choice made when it was captured)."""
     if device is not None and device.type == "cuda" and not _is_interpreting(device):
         num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     else:
         num_sms = 4  # interpreter / CPU: keep the grid small
+    policy = os.environ.get(SPLIT_POLICY_ENV) or DEFAULT_SPLIT_POLICY
+    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, policy)
+
+
+# QWORKER_DECODE_SPLITS: the split-K policy. "fill" (the default): enough programs for
+# _PROGRAMS_PER_SM per SM, no split under _MIN_TOKENS_PER_SPLIT tokens. "wave": the same target
+# rounded up to a power of two, and splits down to one tile (_TILE_N keys) while the unsplit grid
+# is less than one wave (num_seqs * num_kv_heads < num_sms), where a step is latency-bound and the
+# extra reduce costs less than idle SMs (H200 sweep: batch 1 x 2048 best at 32 splits, "fill"
+# picks 8; batch 16 x 2048 best at 4, "fill" picks 3). A candidate until a GPU run A/Bs it.
+SPLIT_POLICY_ENV = "QWORKER_DECODE_SPLITS"
+SPLIT_POLICIES = ("fill", "wave")
+DEFAULT_SPLIT_POLICY = "fill"
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, policy: str) -> int:
+    """Splits of `max_seq_len` keys for a grid of num_seqs * num_kv_heads programs on num_sms SMs."""
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"{SPLIT_POLICY_ENV} must be one of {SPLIT_POLICIES}, got {policy!r}")
     programs = max(1, num_seqs * num_kv_heads)
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
-    by_length = triton.cdiv(max(1, max_seq_len), _MIN_TOKENS_PER_SPLIT)
+    min_tokens = _MIN_TOKENS_PER_SPLIT
+    if policy == "wave":
+        wanted = triton.next_power_of_2(wanted)
+        if programs < num_sms:
+            min_tokens = _TILE_N
+    by_length = triton.cdiv(max(1, max_seq_len), min_tokens)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 

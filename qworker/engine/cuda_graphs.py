@@ -23,7 +23,7 @@ What a graph needs and how it is met here:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -64,13 +64,15 @@ class DecodeCudaGraphs:
         padding_block_id: int,
         device: torch.device,
         capture: bool = True,
+        sizes: Sequence[int] | None = None,
     ) -> None:
         assert not capture or device.type == "cuda", f"CUDA graphs need a CUDA device, got {device}"
         self._model_forward = forward
         self.block_size = block_size
         self.padding_block_id = padding_block_id
         self.device = device
-        self.sizes = capture_sizes(max_num_seqs)
+        # `sizes`: capture only these (benchmarks that time a few batch sizes); default: capture_sizes.
+        self.sizes = sorted(set(sizes)) if sizes is not None else capture_sizes(max_num_seqs)
         self.max_batch_size = self.sizes[-1]
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self._is_captured = False

@@ -23,8 +23,9 @@ def make_caches(
         (33, 16, 3, 80, torch.float16),  # odd head count and head_dim: padded, masked tiles
     ],
 )
+@pytest.mark.parametrize("variant", kv.KV_WRITE_VARIANTS)
 def test_write_kv_cache_matches_reference(
-    num_tokens: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_tokens: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, variant: str
 ) -> None:
     num_blocks = 6
     gen = torch.Generator().manual_seed(num_tokens)
@@ -36,14 +37,15 @@ def test_write_kv_cache_matches_reference(
     v = torch.randn((num_tokens, num_kv_heads, head_dim), device=DEVICE).to(dtype)
     k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    kv.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    kv.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, variant=variant)
     kv.write_kv_cache_reference(k, v, k_expected, v_expected, slot_mapping)
     # A copy: bit-exact, and every untouched slot keeps its old value.
     assert torch.equal(k_cache, k_expected)
     assert torch.equal(v_cache, v_expected)
 
 
-def test_write_kv_cache_strided_views() -> None:
+@pytest.mark.parametrize("variant", kv.KV_WRITE_VARIANTS)
+def test_write_kv_cache_strided_views(variant: str) -> None:
     # k and v as slices of a fused qkv output; caches as views of one [2, ...] allocation.
     num_tokens, num_kv_heads, head_dim, block_size = 5, 2, 64, 16
     qkv = torch.randn((num_tokens, 4 + 2 * num_kv_heads, head_dim), device=DEVICE)
@@ -52,7 +54,7 @@ def test_write_kv_cache_strided_views() -> None:
     k_cache, v_cache = kv_caches[0], kv_caches[1]
     slot_mapping = torch.tensor([0, 17, 18, 47, 5], dtype=torch.int64, device=DEVICE)
     expected = kv_caches.clone()
-    kv.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    kv.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, variant=variant)
     kv.write_kv_cache_reference(k, v, expected[0], expected[1], slot_mapping)
     assert torch.equal(kv_caches, expected)
 
@@ -101,3 +103,25 @@ def test_kernel_compiles_for_sm90(compile_for_sm90) -> None:
               constexprs=dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128))],
     )  # fmt: skip
     assert result["stack_bytes"] in (None, 0), result
+
+
+def test_write_kv_cache_variant_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    k_cache, v_cache = make_caches(2, 16, 2, 64, torch.float32)
+    k = torch.randn((3, 2, 64), device=DEVICE)
+    slots = torch.tensor([0, 17, 5], dtype=torch.int64, device=DEVICE)
+    monkeypatch.setenv(kv.KV_WRITE_ENV, "token_kv")
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    kv.write_kv_cache(k, -k, k_cache, v_cache, slots)
+    kv.write_kv_cache_reference(k, -k, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    monkeypatch.setenv(kv.KV_WRITE_ENV, "per_block")
+    with pytest.raises(ValueError, match="token_kv"):
+        kv.write_kv_cache(k, k, k_cache, v_cache, slots)
+
+
+def test_kv_write_num_warps() -> None:
+    # 8 heads x 64 (the 1B model): 512 elements, 2 warps of 32 threads x 8; tiny tiles get 1, big 4.
+    assert kv.kv_write_num_warps(8, 64) == 2
+    assert kv.kv_write_num_warps(1, 64) == 1
+    assert kv.kv_write_num_warps(8, 128) == 4
+    assert kv.kv_write_num_warps(32, 128) == 4

@@ -237,6 +237,42 @@ def test_choose_decode_num_splits() -> None:
     assert 1 <= pa.choose_decode_num_splits(1, 1, 10**9, cpu) <= pa._MAX_SPLITS
 
 
+@pytest.mark.parametrize(
+    ("num_seqs", "num_kv_heads", "context", "num_sms", "fill", "wave"),
+    [
+        # The H200 (132 SMs), 8 KV heads: batch 1 x 2048, sweep best 32 ("fill" takes 8)
+        (1, 8, 2048, 132, 8, 32),
+        # batch 16 x 2048, sweep best 4 ("fill" takes 3)
+        (16, 8, 2048, 132, 3, 4),
+        # a grid of a wave or more: no split in either policy
+        (64, 8, 2048, 132, 1, 1),
+        (256, 8, 8192, 132, 1, 1),
+        # short contexts: splits of one 64-key tile at most
+        (1, 8, 128, 132, 1, 2),
+        # a smaller GPU (the SM count is an input): 1 x 2048 on 16 SMs
+        (1, 8, 2048, 16, 4, 4),
+        # the cap
+        (1, 1, 10**6, 132, 64, 64),
+    ],
+)
+def test_decode_num_splits_policies(
+    num_seqs: int, num_kv_heads: int, context: int, num_sms: int, fill: int, wave: int
+) -> None:
+    assert pa.decode_num_splits(num_seqs, num_kv_heads, context, num_sms, "fill") == fill
+    assert pa.decode_num_splits(num_seqs, num_kv_heads, context, num_sms, "wave") == wave
+
+
+def test_decode_split_policy_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")  # 4 "SMs" off the GPU
+    assert pa.choose_decode_num_splits(1, 2, 2048, cpu) == 4
+    monkeypatch.setenv(pa.SPLIT_POLICY_ENV, "wave")
+    assert pa.choose_decode_num_splits(1, 2, 2048, cpu) == 4
+    assert pa.choose_decode_num_splits(1, 1, 2048, cpu) == 8
+    monkeypatch.setenv(pa.SPLIT_POLICY_ENV, "fastest")
+    with pytest.raises(ValueError, match="QWORKER_DECODE_SPLITS"):
+        pa.choose_decode_num_splits(1, 1, 2048, cpu)
+
+
 def _bad_inputs() -> dict[str, tuple[dict, str]]:
     # Each entry: the keyword overrides for paged_attention and the expected message fragment.
     b = make_batch(
