@@ -87,6 +87,13 @@ class EngineConfig:
     seed: int = field(
         default=0, metadata={"help": "Seed of the sampler's shared generator (a job's own seed overrides it)"}
     )
+    batch_invariant: bool = field(
+        default=False,
+        metadata={
+            "help": "Bit-identical results for a request whatever else is in its batch, its prefill "
+            "chunking, prefix-cache hits and preemption (CPU; see docs/reproducibility.md)"
+        },
+    )
 
     def __post_init__(self) -> None:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)

@@ -116,6 +116,10 @@ class ModelRunner:
         if state_dict is not None:
             load_checkpoint(model, state_dict, model_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if config.batch_invariant:
+            from qworker.model.batch_invariant import make_batch_invariant
+
+            self.backend = make_batch_invariant(self.model, self.device)
         # RoPE tables stay float32, as transformers computes them.
         self.model.rotary.float()
 

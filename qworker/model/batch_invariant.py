@@ -1,0 +1,101 @@
+"""Batch-invariant execution (`EngineConfig.batch_invariant`): a request's logits do not depend on
+what else is in the step, how its prompt was chunked, or whether its prefix came from the cache.
+
+What changes, and why (measured; see docs/reproducibility.md):
+- Matmuls: oneDNN picks its kernel by row count (fp32, K = 1536: 1 row differs from 2+ on the
+  AVX-512 EPYC; on AMX CPUs bf16 too), so every linear layer, the MoE experts and the LM head go
+  through `qworker_kernels.cpu_invariant_gemm`, whose per-element K order is fixed.
+- Attention: the decode and prefill kernels reduce a token's keys in different orders, and the
+  prefill kernel's blocking depends on the chunk; `InvariantAttentionBackend` runs every token
+  through `qworker_kernels.cpu_invariant_attention` (key tiles aligned to absolute positions).
+- Norms, rotary, SiLU (the C ops) and the sampler's log_softmax/topk are per row already: measured
+  bit-identical for one row in batches of 1 to 2,048; they are left as they are.
+
+CPU only for now: on CUDA the engine refuses the mode (the Triton kernels in
+`qworker_kernels.triton_invariant_matmul` are tested on their own; see docs/reproducibility.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from qworker_kernels import cpu_invariant_attention, cpu_invariant_gemm
+from torch import nn
+
+from qworker.model.attention import write_kv_cache_torch
+from qworker.model.attention_types import AttentionBackend, AttentionMetadata
+from qworker.model.linear import PackedWeight
+
+
+class InvariantWeight(PackedWeight):
+    """A PackedWeight whose matmul is the batch-invariant C GEMM (a packed copy made at first use,
+    and again when the weight changes)."""
+
+    def __init__(self) -> None:
+        super().__init__(enabled=True)
+        self._invariant_key: tuple[int, int, torch.dtype] | None = None
+        self._invariant: cpu_invariant_gemm.PackedInvariantWeight | None = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features], each row's bits independent of the others."""
+        if not x.is_cpu or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"batch-invariant linear needs a CPU bf16/fp32 input, got {x.device} {x.dtype}")
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        if key != self._invariant_key:
+            self._invariant = cpu_invariant_gemm.pack_weight(weight)
+            self._invariant_key = key
+        assert self._invariant is not None
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_invariant_gemm.linear(rows, self._invariant, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class InvariantAttentionBackend:
+    """Every token of the step, prefill or decode, through the one invariant kernel; K/V are
+    written to the cache first and read back from it."""
+
+    name = "torch"  # the model's elementwise ops stay the CPU ones (see select_model_ops)
+    supports_cuda_graphs = False
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        token_seq, token_pos = cpu_invariant_attention.token_positions(meta.seq_lens, meta.query_start_loc)
+        return cpu_invariant_attention.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, token_seq, token_pos, scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
+
+
+def make_batch_invariant(model: nn.Module, device: torch.device) -> AttentionBackend:
+    """Switches every matmul of `model` (linear layers, MoE experts, the LM head) to the invariant
+    GEMM and returns the attention backend to run it with. Raises where the mode is not built."""
+    if device.type != "cpu":
+        raise ValueError(
+            f"batch_invariant runs on the CPU only for now, got device {device} (see docs/reproducibility.md)"
+        )
+    if not (cpu_invariant_gemm.is_available() and cpu_invariant_attention.is_available()):
+        raise RuntimeError("batch_invariant needs the C kernels cpu_invariant_*.c, which could not be built")
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PackedWeight):
+                setattr(module, name, InvariantWeight())
+            elif (
+                isinstance(value, tuple)
+                and value
+                and all(isinstance(part, list) for part in value)
+                and all(isinstance(w, PackedWeight) for part in value for w in part)
+            ):
+                # MoE experts: (gate_up weights, down weights), one PackedWeight per expert.
+                setattr(module, name, tuple([InvariantWeight() for _ in part] for part in value))
+    return InvariantAttentionBackend()
