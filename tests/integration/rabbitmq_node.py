@@ -43,10 +43,21 @@ def make_tls_files(directory: Path) -> dict[str, Path]:
     key, csr, cert = directory / "server.key", directory / "server.csr", directory / "server.pem"
     ext = directory / "san.ext"
     ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
+    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_cert),
         "-days", "2", "-subj", "/CN=qworker-test-ca")  # fmt: skip
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=localhost")
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        "/CN=localhost",
+    )
     run("x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key), "-CAcreateserial",
         "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
     for path in (key, cert, ca_cert):

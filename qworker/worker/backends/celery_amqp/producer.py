@@ -59,6 +59,8 @@ class AmqpCeleryProducer(JobProducer):
     def __init__(self, config: AmqpQueue) -> None:
         self.config = config
         self.broker = AmqpBroker(config)
+        # Declared now, so that the queue (and its dead-letter exchange) exist before a send.
+        self.broker.call("connecting", lambda channel: None)
 
     def send(self, jobs: list[OutgoingJob]) -> list[str]:
         queue = self.config.queue
