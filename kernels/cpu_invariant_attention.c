@@ -11,10 +11,11 @@
 // there first), so a token computed in a prefill chunk, in a decode step, or after a prefix-cache
 // hit reads the same numbers in the same order and gets the same bits.
 //
-// Work is split over (token, KV head) pairs; the query heads of one KV head share each tile's
-// transposed keys. Threads never split one token's keys.
+// Work is split over (query tile, KV head) pairs; the query heads of one KV head and the tokens of
+// one query tile share each key tile's transposed keys. Threads never split one token's keys.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_simd.h"
@@ -23,22 +24,29 @@
 #define QW_MAX_D 256    // largest head_dim
 #define QW_MAX_GROUP 16 // most query heads per KV head
 
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
 static inline v16f load16(const void *p, int is_bf16) {
     if (!is_bf16) return loadu16((const float *)p);
-    const uint16_t *h = (const uint16_t *)p;
-    v16f r;
-    for (int i = 0; i < 16; i++) r[i] = bf16_to_f32(h[i]);
-    return r;
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16i) << 16);
 }
 
 static inline float load1(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+#define QW_MAX_ROWS 32  // query rows (tokens x heads of one KV head) sharing one tile's keys
+
 // q, out: [num_tokens, H, D] (token stride q_stride / out_stride elements, heads packed);
 // caches: [num_blocks, block_size, KVH, D]; block_tables: [num_seqs, max_blocks] int32;
 // token_seq: [num_tokens] int32 (the token's row in block_tables); token_pos: [num_tokens] int32.
 // window: 0 for none, else a query sees keys pos - window + 1 .. pos.
+//
+// Query tiling: up to QW_MAX_ROWS / group consecutive tokens of one sequence share each tile's
+// keys (loaded and transposed once); each token still runs exactly its own tiles, in order, with
+// its own lane mask, so the tiling changes no bit.
 int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, const int32_t *token_seq, const int32_t *token_pos,
                            void *out, int64_t out_stride, int64_t num_tokens, int64_t num_heads,
@@ -56,34 +64,52 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             if (table[b] < 0 || table[b] >= num_blocks) return 2;
     }
     const int64_t group = num_heads / num_kv_heads, dv = head_dim / 16;
+    const int64_t qb = QW_MAX_ROWS / group;  // tokens per query tile
+    // Query tiles: runs of at most qb tokens of one sequence at consecutive positions.
+    int64_t *run_start = malloc((size_t)(num_tokens + 1) * sizeof(int64_t));
+    if (!run_start) return 4;
+    int64_t num_runs = 0;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (num_runs == 0 || t - run_start[num_runs - 1] >= qb || token_seq[t] != token_seq[t - 1] ||
+            token_pos[t] != token_pos[t - 1] + 1)
+            run_start[num_runs++] = t;
+    }
+    run_start[num_runs] = num_tokens;
     const int64_t elem = is_bf16 ? 2 : 4;
     const int64_t row_elems = num_kv_heads * head_dim;  // elements per cache slot
-    const int64_t work = num_tokens * num_kv_heads;
+    const int64_t work = num_runs * num_kv_heads;
     (void)num_threads;
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && work > 1) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && work > 1) schedule(dynamic, 1)
     for (int64_t w = 0; w < work; w++) {
-        const int64_t t = w / num_kv_heads, kvh = w % num_kv_heads;
-        const int64_t pos = token_pos[t];
-        const int64_t start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        const int32_t *table = block_tables + (int64_t)token_seq[t] * max_blocks;
-        float qf[QW_MAX_GROUP][QW_MAX_D];
-        v16f acc[QW_MAX_GROUP][QW_MAX_D / 16];
-        float m[QW_MAX_GROUP], l[QW_MAX_GROUP];
+        const int64_t run = w / num_kv_heads, kvh = w % num_kv_heads;
+        const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
+        const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
+        float qf[QW_MAX_ROWS][QW_MAX_D];
+        v16f acc[QW_MAX_ROWS][QW_MAX_D / 16];
+        float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
+        int64_t first_key[QW_MAX_ROWS];
         float kt[QW_MAX_D][QW_KT];  // the tile's keys, transposed: kt[d][j] = key j, element d
         const void *vrow[QW_KT];
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t h = kvh * group + g;
-            const char *qh = (const char *)q + (t * q_stride + h * head_dim) * elem;
-            for (int64_t d = 0; d < head_dim; d++) qf[g][d] = load1(qh, d, is_bf16);
-            for (int64_t c = 0; c < dv; c++) acc[g][c] = splat16(0.0f);
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t pos = token_pos[t0 + i];
+            first_key[i] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = i * group + g, h = kvh * group + g;
+                const char *qh = (const char *)q + ((t0 + i) * q_stride + h * head_dim) * elem;
+                for (int64_t d = 0; d < head_dim; d++) qf[r][d] = load1(qh, d, is_bf16);
+                for (int64_t c = 0; c < dv; c++) acc[r][c] = splat16(0.0f);
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+            }
         }
-        for (int64_t tile0 = start / QW_KT * QW_KT; tile0 <= pos; tile0 += QW_KT) {
-            const int64_t lo = start > tile0 ? start - tile0 : 0;           // first valid lane
-            const int64_t hi = pos - tile0 + 1 < QW_KT ? pos - tile0 + 1 : QW_KT;  // one past the last
+        const int64_t last_pos = token_pos[t0 + nt - 1];
+        const int64_t lowest = first_key[0];  // positions rise along the run, so do window starts
+        for (int64_t tile0 = lowest / QW_KT * QW_KT; tile0 <= last_pos; tile0 += QW_KT) {
+            // Keys of this tile any token of the run may read: [lowest, last_pos] within the tile.
+            const int64_t any_lo = lowest > tile0 ? lowest - tile0 : 0;
+            const int64_t any_hi = last_pos - tile0 + 1 < QW_KT ? last_pos - tile0 + 1 : QW_KT;
             for (int64_t j = 0; j < QW_KT; j++) {
-                if (j < lo || j >= hi) {
+                if (j < any_lo || j >= any_hi) {
                     for (int64_t d = 0; d < head_dim; d++) kt[d][j] = 0.0f;
                     vrow[j] = NULL;
                     continue;
@@ -91,47 +117,60 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                 const int64_t p = tile0 + j;
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
                 const char *krow = (const char *)k_cache + (slot * row_elems + kvh * head_dim) * elem;
-                for (int64_t d = 0; d < head_dim; d++) kt[d][j] = load1(krow, d, is_bf16);
+                for (int64_t c = 0; c < dv; c++) {
+                    const v16f kv = load16(krow + c * 16 * elem, is_bf16);
+                    for (int i = 0; i < 16; i++) kt[c * 16 + i][j] = kv[i];
+                }
                 vrow[j] = (const char *)v_cache + (slot * row_elems + kvh * head_dim) * elem;
             }
-            v16i valid;
-            for (int j = 0; j < QW_KT; j++) valid[j] = (j >= lo && j < hi) ? -1 : 0;
-            for (int64_t g = 0; g < group; g++) {
-                v16f s = splat16(0.0f);
-                for (int64_t d = 0; d < head_dim; d++) s = s + splat16(qf[g][d]) * loadu16(kt[d]);
-                s = s * splat16(scale);
-                if (has_soft_cap) s = vsoft_cap16(s, soft_cap);
-                s = (v16f)(((v16i)s & valid) | ((v16i)splat16(-INFINITY) & ~valid));
-                const float tile_max = hmax16(s);
-                const float m_new = m[g] > tile_max ? m[g] : tile_max;
-                const float alpha = expf(m[g] - m_new);  // 0 at the first tile (m = -inf)
-                const v16f p = vexp_nonpos16(s - splat16(m_new));
-                l[g] = l[g] * alpha + hsum16(p);
-                const v16f va = splat16(alpha);
-                for (int64_t c = 0; c < dv; c++) acc[g][c] = acc[g][c] * va;
-                for (int64_t j = lo; j < hi; j++) {
-                    const v16f pj = splat16(p[j]);
-                    for (int64_t c = 0; c < dv; c++)
-                        acc[g][c] = acc[g][c] + pj * load16((const char *)vrow[j] + c * 16 * elem, is_bf16);
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t pos = token_pos[t0 + i], start = first_key[i];
+                if (tile0 > pos || tile0 + QW_KT <= start) continue;  // not one of this token's tiles
+                const int64_t lo = start > tile0 ? start - tile0 : 0;                  // first valid lane
+                const int64_t hi = pos - tile0 + 1 < QW_KT ? pos - tile0 + 1 : QW_KT;  // one past the last
+                v16i valid;
+                for (int j = 0; j < QW_KT; j++) valid[j] = (j >= lo && j < hi) ? -1 : 0;
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t r = i * group + g;
+                    v16f s = splat16(0.0f);
+                    for (int64_t d = 0; d < head_dim; d++) s = s + splat16(qf[r][d]) * loadu16(kt[d]);
+                    s = s * splat16(scale);
+                    if (has_soft_cap) s = vsoft_cap16(s, soft_cap);
+                    s = (v16f)(((v16i)s & valid) | ((v16i)splat16(-INFINITY) & ~valid));
+                    const float tile_max = hmax16(s);
+                    const float m_new = m[r] > tile_max ? m[r] : tile_max;
+                    const float alpha = expf(m[r] - m_new);  // 0 at the first tile (m = -inf)
+                    const v16f p = vexp_nonpos16(s - splat16(m_new));
+                    l[r] = l[r] * alpha + hsum16(p);
+                    const v16f va = splat16(alpha);
+                    for (int64_t c = 0; c < dv; c++) acc[r][c] = acc[r][c] * va;
+                    for (int64_t j = lo; j < hi; j++) {
+                        const v16f pj = splat16(p[j]);
+                        for (int64_t c = 0; c < dv; c++)
+                            acc[r][c] = acc[r][c] + pj * load16((const char *)vrow[j] + c * 16 * elem, is_bf16);
+                    }
+                    m[r] = m_new;
                 }
-                m[g] = m_new;
             }
         }
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t h = kvh * group + g;
-            char *oh = (char *)out + (t * out_stride + h * head_dim) * elem;
-            const v16f inv = splat16(1.0f / l[g]);
-            for (int64_t c = 0; c < dv; c++) {
-                const v16f o = acc[g][c] * inv;
-                for (int i = 0; i < 16; i++) {
-                    if (is_bf16) {
-                        ((uint16_t *)oh)[c * 16 + i] = f32_to_bf16(o[i]);
-                    } else {
-                        ((float *)oh)[c * 16 + i] = o[i];
+        for (int64_t i = 0; i < nt; i++) {
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = i * group + g, h = kvh * group + g;
+                char *oh = (char *)out + ((t0 + i) * out_stride + h * head_dim) * elem;
+                const v16f inv = splat16(1.0f / l[r]);
+                for (int64_t c = 0; c < dv; c++) {
+                    const v16f o = acc[r][c] * inv;
+                    for (int k = 0; k < 16; k++) {
+                        if (is_bf16) {
+                            ((uint16_t *)oh)[c * 16 + k] = f32_to_bf16(o[k]);
+                        } else {
+                            ((float *)oh)[c * 16 + k] = o[k];
+                        }
                     }
                 }
             }
         }
     }
+    free(run_start);
     return 0;
 }

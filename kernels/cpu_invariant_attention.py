@@ -31,6 +31,7 @@ _LIBRARY = CKernelLibrary(
             ValueError,
             "head_dim must be a multiple of 16 up to 256, with at most 16 query heads per KV head",
         ),
+        4: (MemoryError, "the C kernel could not allocate its working memory"),
     },
     # Scores and sums round as written (no FMA contraction), on every build of this file.
     extra_flags=("-ffp-contract=off",),

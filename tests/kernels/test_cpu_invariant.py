@@ -1,0 +1,96 @@
+"""The batch-invariant CPU kernels: a row's bits do not depend on the rows beside it (GEMM), and a
+token's attention output does not depend on the chunk or batch it is computed in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qworker_kernels import cpu_invariant_attention, cpu_invariant_gemm
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        not (cpu_invariant_gemm.is_available() and cpu_invariant_attention.is_available()),
+        reason="no C compiler",
+    ),
+]
+
+ROW_COUNTS = (1, 2, 7, 9, 16, 64, 128, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (50, 33)])
+def test_gemm_row_is_the_same_whatever_the_row_count(dtype: torch.dtype, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n * k)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    packed = cpu_invariant_gemm.pack_weight(weight)
+    row = torch.randn(1, k, generator=gen).to(dtype)
+    alone = cpu_invariant_gemm.linear(row, packed, bias)
+    reference = cpu_invariant_gemm.linear_reference(row, weight, bias)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(alone, reference, atol=tolerance, rtol=tolerance)
+    for rows in ROW_COUNTS:
+        for threads in (1, 2):
+            batch = torch.randn(rows, k, generator=gen).to(dtype)
+            where = rows // 2
+            batch[where] = row[0]
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                out = cpu_invariant_gemm.linear(batch, packed, bias)
+            finally:
+                torch.set_num_threads(previous)
+            assert torch.equal(out[where], alone[0]), f"row differs at {rows} rows, {threads} threads"
+
+
+def _cache(dtype: torch.dtype, blocks: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (blocks, 16, 3, 64)  # [blocks, block_size, KVH, D]
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (37, 30.0)])
+def test_attention_token_is_the_same_in_any_chunk_or_batch(
+    dtype: torch.dtype, window: int | None, cap: float | None
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache = _cache(dtype, 32, gen)
+    order = torch.randperm(32, generator=gen)
+    tables = torch.stack([order[:16], order[16:]]).to(torch.int32)
+    length = 150
+    q = torch.randn(length, 9, 64, generator=gen).to(dtype)
+    seq = torch.zeros(length, dtype=torch.int32)
+    pos = torch.arange(length, dtype=torch.int32)
+    extras = {"sliding_window": window, "logits_soft_cap": cap}
+    whole = cpu_invariant_attention.paged_attention(q, k_cache, v_cache, tables, seq, pos, 0.125, **extras)
+    reference = cpu_invariant_attention.paged_attention_reference(
+        q, k_cache, v_cache, tables, seq, pos, 0.125, **extras
+    )
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(whole, reference, atol=tolerance, rtol=tolerance)
+    # Decode steps: one token at a time.
+    for t in (0, 15, 16, 17, 99, length - 1):
+        one = cpu_invariant_attention.paged_attention(
+            q[t : t + 1], k_cache, v_cache, tables, seq[t : t + 1], pos[t : t + 1], 0.125, **extras
+        )
+        assert torch.equal(one[0], whole[t]), f"decode of position {t} differs from the prefill"
+    # Chunks of 7 beside another sequence's tokens.
+    other = torch.randn(5, 9, 64, generator=gen).to(dtype)
+    for start in range(0, length, 7):
+        stop = min(start + 7, length)
+        mixed_q = torch.cat([other, q[start:stop]])
+        mixed_seq = torch.cat([torch.ones(5, dtype=torch.int32), seq[start:stop]])
+        mixed_pos = torch.cat([torch.arange(200, 205, dtype=torch.int32), pos[start:stop]])
+        mixed = cpu_invariant_attention.paged_attention(
+            mixed_q, k_cache, v_cache, tables, mixed_seq, mixed_pos, 0.125, **extras
+        )
+        assert torch.equal(mixed[5:], whole[start:stop]), f"chunk at {start} differs"
+
+
+def test_token_positions() -> None:
+    seq_lens = torch.tensor([5, 9, 3], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 1, 4, 7], dtype=torch.int32)
+    seq, pos = cpu_invariant_attention.token_positions(seq_lens, query_start_loc)
+    assert seq.tolist() == [0, 1, 1, 1, 2, 2, 2]
+    assert pos.tolist() == [4, 6, 7, 8, 0, 1, 2]
