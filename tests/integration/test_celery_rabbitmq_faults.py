@@ -1,0 +1,122 @@
+"""Celery on RabbitMQ under faults, with real `qworker worker` processes on a private RabbitMQ node
+(this module's own port, node name and data directory):
+
+- SIGKILL of one of two workers with 30 tasks in flight: the broker requeues the killed worker's
+  unacked deliveries when its socket closes (no lease timeout to wait out), the peer runs them,
+  and every task completes exactly once.
+- The node restarted mid-run: the worker's channel dies with it, it reconnects when the node is
+  back, the durable queue's persistent messages are still there, and nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from qworker.worker.testing import spawn_worker
+from tests.integration import rabbitmq_node
+from tests.integration.celery_rabbitmq_support import (
+    RESULTS,
+    TASK,
+    amqp_url,
+    celery_app,
+    forget,
+    new_queue,
+    queue_counts,
+    results_redis,
+    task_queue,
+)
+from tests.integration.conftest import wait_for
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not rabbitmq_node.is_available(), reason="needs rabbitmq-server installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def node():
+    node = rabbitmq_node.RabbitNode().start()
+    yield node
+    node.close()
+
+
+@pytest.fixture(scope="module")
+def store():
+    r = results_redis()
+    if r is None:
+        pytest.skip("needs the Redis server at 127.0.0.1:6379 (the Celery result backend)")
+    return r
+
+
+def job(max_tokens: int, first: int) -> dict:
+    return {"prompt_token_ids": [first, 6, 7], "params": {"max_tokens": max_tokens, "ignore_eos": True}}
+
+
+def stop(*processes) -> None:
+    for process in processes:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        if process is not None:
+            assert process.wait(timeout=60) == 0
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_one_of_two_workers_loses_nothing(node, store, tiny_model_dir, tmp_path):
+    queue = new_queue("kill")
+    app = celery_app(node.url, [task_queue(queue)])
+    url = amqp_url(node.port, queue)
+    args = ("--results", RESULTS, "--num-kv-blocks", "256", "--max-backlog", "4")
+    victim = spawn_worker(url, tiny_model_dir, "victim", *args, log_path=tmp_path / "victim.log")
+    peer = None
+    sent = [app.send_task(TASK, kwargs=job(150, first=10 + i), queue=queue) for i in range(30)]
+    try:
+        # The victim holds what admission let it take (at most max_backlog waiting, plus running).
+        wait_for(lambda: queue_counts(node.port, queue) <= 30 - 4, 60, "the victim to take tasks")
+        peer = spawn_worker(url, tiny_model_dir, "peer", *args, log_path=tmp_path / "peer.log")
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=10)
+        values = [r.get(timeout=180) for r in sent]
+    finally:
+        stop(peer)
+        if victim.poll() is None:
+            victim.kill()
+        forget(store, [r.id for r in sent])
+        app.close()
+    assert all(v["status"] == "completed" and len(v["token_ids"]) == 150 for v in values)
+    assert len({v["id"] for v in values}) == 30  # one result per task (first writer wins)
+    redelivered = [v for v in values if v["attempts"] > 1]
+    assert redelivered and all(v["worker"] == "peer" for v in redelivered)
+    assert queue_counts(node.port, queue) == 0  # every delivery acked, none left behind
+    log = (tmp_path / "peer.log").read_text()
+    # The redelivered copies ran once on the peer: nothing was skipped as already done.
+    assert "num_skipped_done=0" in log, log[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_rides_out_a_node_restart(node, store, tiny_model_dir, tmp_path):
+    queue = new_queue("restart")
+    app = celery_app(node.url, [task_queue(queue)])
+    url = amqp_url(node.port, queue)
+    sent = [app.send_task(TASK, kwargs=job(60, first=10 + i % 80), queue=queue) for i in range(60)]
+    args = ("--results", RESULTS, "--num-kv-blocks", "256", "--max-backlog", "4", "--broker-outage-s", "120")
+    worker = spawn_worker(url, tiny_model_dir, "rider", *args, log_path=tmp_path / "rider.log")
+    try:
+        wait_for(lambda: sum(1 for r in sent if r.ready()) >= 5, 60, "some tasks to complete")
+        node.restart()
+        # Sent after the restart: Celery reconnects its producer, the worker its source.
+        sent += [app.send_task(TASK, kwargs=job(20, first=90 + i), queue=queue) for i in range(10)]
+        values = [r.get(timeout=180) for r in sent]
+        time.sleep(0.5)
+    finally:
+        stop(worker)
+        forget(store, [r.id for r in sent])
+        app.close()
+    assert all(v["status"] == "completed" for v in values)
+    assert len({v["id"] for v in values}) == 70
+    assert queue_counts(node.port, queue) == 0
+    log = (tmp_path / "rider.log").read_text()
+    assert "RabbitMQ" in log and "reconnecting" in log, log[-3000:]
