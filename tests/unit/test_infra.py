@@ -97,6 +97,24 @@ KEDA_SCALER_KEYS: dict[str, set[str]] = {
         "method",
         "keyParamName",
     },
+    # rabbitmq: the parameter list of KEDA's rabbitmq-queue scaler docs (latest), not its source.
+    "rabbitmq": {
+        "host",
+        "protocol",
+        "mode",
+        "value",
+        "activationValue",
+        "queueName",
+        "vhostName",
+        "useRegex",
+        "excludeUnacknowledged",
+        "pageSize",
+        "operation",
+        "timeout",
+        "unsafeSsl",
+        "username",
+        "password",
+    },
     "prometheus": {
         "serverAddress",
         "query",
@@ -128,6 +146,7 @@ KEDA_FROM_ENV_KEYS: dict[str, set[str]] = {
     },
     "aws-sqs-queue": {"queueURL", "awsAccessKeyID", "awsSecretAccessKey"},
     "metrics-api": set(),
+    "rabbitmq": {"host", "username", "password"},
     "prometheus": set(),
 }
 # The activation key of each scaler, whose value 0 means "active as soon as anything is there".
@@ -135,6 +154,7 @@ KEDA_ACTIVATION_KEY = {
     "redis-streams": "activationLagCount",
     "aws-sqs-queue": "activationQueueLength",
     "metrics-api": "activationTargetValue",
+    "rabbitmq": "activationValue",
     "prometheus": "activationThreshold",
 }
 
@@ -305,6 +325,19 @@ def test_scaled_objects_are_well_formed_for_keda():
         if formula:
             used = set(re.findall(r"[A-Za-z_]\w*", formula))
             assert used <= names, f"{path}: the formula names triggers that do not exist: {used - names}"
+
+
+def test_keda_rabbitmq_trigger_counts_ready_and_unacked_messages_of_qworkers_default_queue():
+    from qworker.worker.backends.celery_amqp.url import DEFAULT_QUEUE
+
+    (trigger,) = [
+        t for _, so in _k8s_objects("ScaledObject") for t in so["spec"]["triggers"] if t["type"] == "rabbitmq"
+    ]
+    metadata = trigger["metadata"]
+    # Over AMQP KEDA counts only ready messages; the management API counts unacked ones too.
+    assert metadata["protocol"] == "http" and metadata.get("excludeUnacknowledged", "false") == "false"
+    assert metadata["mode"] == "QueueLength" and metadata["queueName"] == DEFAULT_QUEUE
+    assert float(metadata["value"]) > 0 and metadata["activationValue"] == "0"
 
 
 def test_grace_periods_exceed_the_worker_drain_grace():
