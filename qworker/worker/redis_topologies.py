@@ -17,6 +17,24 @@ from typing import Any
 from qworker.worker.redis_server import free_port
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 higher) is free too; both at most 65535."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20_000, 55_000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10_000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 def _wait_ping(port: int, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     import redis
 
@@ -89,7 +107,11 @@ class LocalCluster:
     def __init__(self, data_dir: Path, num_primaries: int = 3) -> None:
         dirs = [data_dir / f"node{i}" for i in range(num_primaries)]
         self.nodes = [
-            RedisNode(d, ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")])
+            RedisNode(
+                d,
+                ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")],
+                port=free_cluster_port(),
+            )
             for d in dirs
         ]
 
@@ -129,11 +151,16 @@ class LocalCluster:
         return str(node.client(decode_responses=True).execute_command("CLUSTER", "MYID"))
 
     def owner_of(self, slot: int) -> RedisNode:
+        by_port = {node.port: node for node in self.nodes}
+        # Every node's view, so that a move counts only once all of them know it.
+        owners = set()
         for node in self.nodes:
-            for start, end, *_ in node.client().cluster("slots"):
+            for start, end, primary, *_ in node.client().execute_command("CLUSTER", "SLOTS"):
                 if start <= slot <= end:
-                    return node
-        raise LookupError(f"no node serves slot {slot}")
+                    owners.add(int(primary[1]))
+        if len(owners) != 1:
+            raise LookupError(f"the nodes disagree on slot {slot}'s owner: ports {sorted(owners)}")
+        return by_port[owners.pop()]
 
     def migrate_slot(self, slot: int, target: RedisNode, *, batch: int = 10, pause_s: float = 0.0) -> int:
         """Move `slot` to `target` as `redis-cli --cluster reshard` does (IMPORTING, MIGRATING,

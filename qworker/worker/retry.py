@@ -44,13 +44,17 @@ def is_transient(exc: BaseException) -> bool:
     """Whether `exc` says the broker is away for now (retry) rather than that the call is wrong.
 
     Redis: ConnectionError (BusyLoadingError, a server still loading its AOF, is one), TimeoutError,
-    ReadOnlyError and the other replies in _TRANSIENT_REPLY_PREFIXES; plain socket errors.
+    ReadOnlyError and the other replies in _TRANSIENT_REPLY_PREFIXES; plain socket errors. On a
+    cluster, redis-py's ClusterError ("TTL exhausted": it followed MOVED, ASK or TRYAGAIN replies
+    as often as it would while a slot moved or a node failed over) and SlotNotCoveredError.
     """
     try:
         import redis
     except ImportError:  # pragma: no cover - redis is a dependency
         return isinstance(exc, (ConnectionError, TimeoutError))
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)):
+        return True
+    if isinstance(exc, (redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError)):
         return True
     if isinstance(exc, redis.ResponseError):
         return str(exc).startswith(_TRANSIENT_REPLY_PREFIXES)
