@@ -153,3 +153,13 @@ class BlockPool:
         self._hash_to_block_id[block_hash] = block_id
         self._block_hashes[block_id] = block_hash
         return True
+
+    def uncache_block(self, block_id: int) -> None:
+        """Drop a block's cache entry (its K/V turned out not to be computed); held or free."""
+        block_hash = self._block_hashes[block_id]
+        if block_hash is None:
+            return
+        del self._hash_to_block_id[block_hash]
+        self._block_hashes[block_id] = None
+        if self._ref_counts[block_id] == 0:
+            self._num_evictable_blocks -= 1

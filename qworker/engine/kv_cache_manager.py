@@ -61,6 +61,9 @@ class KVCacheManager:
         self._num_empty_slots = 0
         self._num_queries = 0
         self._num_hits = 0
+        # Blocks entered in the prefix cache by `cache_scheduled_blocks` for the step planned
+        # but not yet run.
+        self._scheduled_block_ids: list[int] = []
 
     # -- the prefix cache --------------------------------------------------------------------
 
@@ -99,19 +102,46 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Enter the request's blocks that its computed tokens fill (after a step computed them)."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
+
+    def cache_scheduled_blocks(self, request: Request, num_tokens: int) -> None:
+        """At plan time, enter the blocks that the step being planned fills (the request's first
+        `num_tokens` tokens), so that a request admitted later in the same plan shares them
+        instead of computing the same prefix again: the step writes each layer's K/V for every
+        scheduled token before that layer's attention reads any. Until `commit_scheduled()` says
+        the step ran, `discard_scheduled()` takes them out again."""
+        self._scheduled_block_ids.extend(self._cache_full_blocks(request, num_tokens))
+
+    def commit_scheduled(self) -> None:
+        """The planned step ran: the blocks entered at plan time hold their K/V."""
+        self._scheduled_block_ids.clear()
+
+    def discard_scheduled(self) -> None:
+        """The planned step failed: the blocks entered at plan time may hold no K/V, so they leave
+        the prefix cache (their holders keep them, unshared)."""
+        for block_id in self._scheduled_block_ids:
+            self.block_pool.uncache_block(block_id)
+        self._scheduled_block_ids.clear()
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """Enter the blocks that the request's first `num_tokens` tokens fill; the ids entered."""
         if not self.enable_prefix_caching:
-            return
+            return []
         blocks = self._requests.get(request.request_id)
         if blocks is None:
-            return
-        num_full_blocks = request.num_computed_tokens // self.block_size
+            return []
+        num_full_blocks = num_tokens // self.block_size
         if num_full_blocks <= blocks.num_cached_blocks:
-            return
+            return []
         block_hashes = self._block_hashes(request)
         pool = self.block_pool
-        for i in range(blocks.num_cached_blocks, num_full_blocks):
-            pool.cache_block(blocks.block_ids[i], block_hashes[i])
+        entered = [
+            blocks.block_ids[i]
+            for i in range(blocks.num_cached_blocks, num_full_blocks)
+            if pool.cache_block(blocks.block_ids[i], block_hashes[i])
+        ]
         blocks.num_cached_blocks = num_full_blocks
+        return entered
 
     # -- block tables ------------------------------------------------------------------------
 

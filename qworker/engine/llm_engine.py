@@ -386,6 +386,8 @@ class LLMEngine:
                 self._fast_forward(constrained, now)
             self._release_prefilled_children()
         except Exception as exc:
+            # Blocks cached as the plan was made may hold no K/V now.
+            self.kv_cache_manager.discard_scheduled()
             # Which requests ran is known here and nowhere else: the caller aborts them.
             ran = [*plan.capacity_finished_request_ids, *(item.request_id for item in plan.scheduled)]
             ran = list(dict.fromkeys(self._parallel.caller_id(r) for r in ran))

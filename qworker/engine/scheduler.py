@@ -48,7 +48,9 @@ class Scheduler:
     waiting with `num_computed_tokens = 0`; its generated tokens stay and are prefilled again.
 
     A waiting request (new or preempted) starts after its longest cached prefix, when prefix
-    caching is on: those tokens count as computed and cost no budget.
+    caching is on: those tokens count as computed and cost no budget. The blocks a plan's chunks
+    fill are cached as the plan is made, so requests admitted in the same step share a prefix
+    that the first of them computes in it, rather than each computing it.
     """
 
     def __init__(
@@ -152,6 +154,8 @@ class Scheduler:
                     needs_sample=end == request.num_tokens,
                 )
             )
+            # Requests admitted after this one in the same plan can share what it computes.
+            manager.cache_scheduled_blocks(request, end)
 
         # 1. Decodes of running requests, oldest first; preempt from the back when blocks run out.
         # A request past its prompt may have more than one token to compute: tokens a grammar
@@ -240,6 +244,7 @@ class Scheduler:
     def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Advance the counters of every scheduled request, cache the blocks the step filled,
         and append the sampled tokens."""
+        self.kv_cache_manager.commit_scheduled()
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None:

@@ -271,6 +271,58 @@ def test_preempted_request_resumes_from_its_own_cached_blocks() -> None:
     assert scheduler.num_prompt_tokens_computed == 14
 
 
+def test_requests_admitted_in_one_plan_share_the_prefix_the_first_computes() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    scheduler.add_request(make_request("a", [*range(8), 30, 31], max_tokens=1))
+    scheduler.add_request(make_request("b", [*range(8), 40, 41, 42], max_tokens=1))
+    scheduler.add_request(make_request("c", [*range(4), 50, 51, 52, 53, 54], max_tokens=1))
+    plan = scheduler.schedule()
+    # a computes blocks 0 and 1 in this step; b and c read them in the same step (each layer's
+    # K/V is written before its attention runs), so they compute only their own tails.
+    assert summary(plan) == [("a", 0, 10, [0, 1, 2]), ("b", 8, 3, [0, 1, 3]), ("c", 4, 5, [0, 4, 5])]
+    assert scheduler.num_prompt_tokens_computed == 10 + 3 + 5
+    pool = scheduler.kv_cache_manager.block_pool
+    assert [pool.ref_count(block) for block in range(6)] == [3, 2, 1, 1, 1, 1]
+    step(scheduler, plan)
+    stats = scheduler.kv_cache_manager.stats()
+    assert (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) == (10 + 11 + 9, 8 + 4)
+    # c's block 4 (its tokens 4..7) was filled in the step and is cached after it.
+    assert (stats.num_used_blocks, stats.num_cached_blocks) == (0, 3)
+
+
+def test_a_chunk_shares_only_the_blocks_it_fills_in_the_step() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    scheduler.add_request(make_request("a", list(range(15)), max_tokens=1))
+    plan = scheduler.schedule()
+    assert summary(plan) == [("a", 0, 10, [0, 1, 2])]
+    step(scheduler, plan)
+    scheduler.add_request(make_request("b", [*range(15), 40], max_tokens=1))
+    plan = scheduler.schedule()
+    # a's last chunk (10..14) fills block 2 and part of block 3. b shares blocks 0 and 1 (cached
+    # after the last step) and block 2 (filled in this one), not a's partial block 3: it
+    # computes its tokens 12..15 into a block of its own.
+    assert summary(plan) == [("a", 10, 5, [0, 1, 2, 3]), ("b", 12, 4, [0, 1, 2, 4])]
+    assert scheduler.num_prompt_tokens_computed == 15 + 4
+
+
+def test_a_failed_step_takes_the_blocks_cached_at_plan_time_out_of_the_cache() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    manager = scheduler.kv_cache_manager
+    scheduler.add_request(make_request("a", [*range(8), 30], max_tokens=1))
+    scheduler.add_request(make_request("b", [*range(8), 40], max_tokens=1))
+    plan = scheduler.schedule()
+    assert summary(plan) == [("a", 0, 9, [0, 1, 2]), ("b", 8, 1, [0, 1, 3])]
+    manager.discard_scheduled()
+    # Nothing is cached any more; the blocks stay held by a and b, unshared from now on.
+    stats = manager.stats()
+    assert (stats.num_cached_blocks, stats.num_used_blocks) == (0, 4)
+    assert manager.find_cached_prefix(make_request("c", [*range(8), 50])).num_tokens == 0
+    for request_id in ("a", "b"):
+        scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    stats = manager.stats()
+    assert (stats.num_free_blocks, stats.num_cached_blocks, stats.num_evictable_blocks) == (16, 0, 0)
+
+
 # -- the tiny engine ----------------------------------------------------------------------------
 
 
@@ -336,6 +388,58 @@ def test_tiny_engine_gives_the_same_tokens_with_the_cache_on_and_off(tiny_llama,
     assert second.num_used_blocks == 0
     # Two rounds with the cache compute fewer prompt tokens than one without.
     assert on.scheduler.num_prompt_tokens_computed < off.scheduler.num_prompt_tokens_computed
+
+
+@pytest.mark.parametrize(
+    "engine_args", [{}, {"block_size": 16, "max_num_batched_tokens": 80}], ids=["default", "chunked"]
+)
+def test_tiny_engine_prefix_shared_within_one_step_gives_the_same_tokens(tiny_llama, engine_args) -> None:
+    prompt_list = shared_prefix_prompts(engine_args.get("block_size", 4), seed=2)
+    off = tiny_engine(tiny_llama, enable_prefix_caching=False, **engine_args)
+    expected = greedy(off, prompt_list, 1)
+    on = tiny_engine(tiny_llama, **engine_args)
+    # All at once on an empty cache: the first step's later prompts read the blocks the first
+    # one writes in that very step.
+    plan = on.scheduler.schedule
+    first_plan = []
+
+    def observed_schedule():
+        result = plan()
+        first_plan.append(result)
+        return result
+
+    on.scheduler.schedule = observed_schedule
+    assert greedy(on, prompt_list, 1) == expected
+    shared_in_first_step = [s for s in first_plan[0].scheduled if s.start_position > 0]
+    assert shared_in_first_step, "no prompt of the first step shared a prefix"
+    assert on.kv_stats().num_prefix_cache_hits > 0
+    assert on.scheduler.num_prompt_tokens_computed < off.scheduler.num_prompt_tokens_computed
+
+
+def test_tiny_engine_step_failure_uncaches_the_blocks_of_its_plan(tiny_llama) -> None:
+    from qworker.errors import EngineStepError
+
+    engine = tiny_engine(tiny_llama)
+    prompt = shared_prefix_prompts(4)[6]
+    execute = engine.runner.execute
+
+    def failing_execute(plan, requests):
+        raise RuntimeError("injected")
+
+    engine.runner.execute = failing_execute
+    engine.add_request("a", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0.0))
+    engine.add_request("b", {"prompt_token_ids": [*prompt, 9]}, SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(EngineStepError):
+        engine.step()
+    assert engine.kv_stats().num_cached_blocks == 0
+    for request_id in ("a", "b"):
+        engine.abort(request_id)
+    engine.runner.execute = execute
+    # The same prompt again computes everything: nothing of the failed step is reused.
+    hits_before = engine.kv_stats().num_prefix_cache_hits
+    expected = greedy(tiny_engine(tiny_llama, enable_prefix_caching=False), [prompt], 1)
+    assert greedy(engine, [prompt], 2) == expected
+    assert engine.kv_stats().num_prefix_cache_hits == hits_before
 
 
 def test_tiny_engine_requests_joining_mid_decode_share_a_prefix(tiny_llama) -> None:
