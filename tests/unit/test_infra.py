@@ -130,6 +130,10 @@ KEDA_SCALER_KEYS: dict[str, set[str]] = {
         "identityOwner",
     },
 }
+# redis-cluster-streams and redis-sentinel-streams are the same scaler (NewRedisStreamsScaler picks
+# the client by trigger type) reading the same metadata struct.
+KEDA_SCALER_KEYS["redis-cluster-streams"] = KEDA_SCALER_KEYS["redis-streams"]
+KEDA_SCALER_KEYS["redis-sentinel-streams"] = KEDA_SCALER_KEYS["redis-streams"]
 KEDA_FROM_ENV_KEYS: dict[str, set[str]] = {
     "redis-streams": {
         "address",
@@ -149,9 +153,13 @@ KEDA_FROM_ENV_KEYS: dict[str, set[str]] = {
     "rabbitmq": {"host", "username", "password"},
     "prometheus": set(),
 }
+KEDA_FROM_ENV_KEYS["redis-cluster-streams"] = KEDA_FROM_ENV_KEYS["redis-streams"]
+KEDA_FROM_ENV_KEYS["redis-sentinel-streams"] = KEDA_FROM_ENV_KEYS["redis-streams"]
 # The activation key of each scaler, whose value 0 means "active as soon as anything is there".
 KEDA_ACTIVATION_KEY = {
     "redis-streams": "activationLagCount",
+    "redis-cluster-streams": "activationLagCount",
+    "redis-sentinel-streams": "activationLagCount",
     "aws-sqs-queue": "activationQueueLength",
     "metrics-api": "activationTargetValue",
     "rabbitmq": "activationValue",
@@ -296,6 +304,25 @@ def test_keda_redis_trigger_scales_on_the_length_of_qworkers_default_stream_and_
         # assert XLEN drops to 0); with a consumerGroup KEDA would scale on pending entries or lag.
         assert "consumerGroup" not in metadata
         assert int(metadata["streamLength"]) > 0
+
+
+def test_keda_cluster_and_sentinel_triggers_name_the_keys_of_their_layout():
+    """On a cluster the stream keys carry the queue's hash tag; under Sentinel they are the
+    single-server names, and the trigger names the service the sentinels watch."""
+    from qworker.worker.backends.redis.keys import CLUSTER, SINGLE_SERVER
+
+    by_type: dict[str, list[dict]] = {}
+    for _, scaled_object in _k8s_objects("ScaledObject"):
+        for trigger in scaled_object["spec"]["triggers"]:
+            by_type.setdefault(trigger["type"], []).append(trigger["metadata"])
+    for kind, layout in (("redis-cluster-streams", CLUSTER), ("redis-sentinel-streams", SINGLE_SERVER)):
+        stream = layout.stream(constants.DEFAULT_STREAM)
+        assert {m["stream"] for m in by_type[kind]} == {stream, constants.high_lane_stream(stream)}, kind
+        for metadata in by_type[kind]:
+            assert "consumerGroup" not in metadata and int(metadata["streamLength"]) > 0
+            assert all(":" in address for address in metadata["addresses"].split(",")), kind
+            if kind == "redis-sentinel-streams":
+                assert metadata["sentinelMaster"]
 
 
 def test_scaled_objects_are_well_formed_for_keda():
