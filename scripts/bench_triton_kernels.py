@@ -127,6 +127,10 @@ class Bench:
                     + block_tables.numel() * 4
                 )
                 ms = self.time_ms(lambda run=run: run(num_splits=None))
+                # The candidate split policy (QWORKER_DECODE_SPLITS=wave) on the same shape.
+                num_sms = 4 if self.interpret else torch.cuda.get_device_properties(0).multi_processor_count
+                wave_splits = pa.decode_num_splits(batch, kvh, context, num_sms, "wave")
+                wave_ms = self.time_ms(lambda run=run, n=wave_splits: run(num_splits=n))
                 row: dict[str, Any] = {
                     "batch": batch,
                     "context": context,
@@ -135,6 +139,9 @@ class Bench:
                     "gbps": nbytes / (ms * 1e-3) / 1e9,
                     "fraction_of_copy": nbytes / (ms * 1e-3) / 1e9 / copy_gbps,
                     "max_abs_err": max_err,
+                    "wave_num_splits": wave_splits,
+                    "wave_ms": wave_ms,
+                    "wave_speedup": ms / wave_ms,
                 }
                 if sweep_splits:
                     sweep = {}
@@ -178,6 +185,40 @@ class Bench:
                 "tflops": flops / (ms * 1e-3) / 1e12,
             }
         ]
+
+    def kv_write(self, copy_gbps: float) -> list[dict[str, Any]]:
+        """write_kv_cache for the 1B model's layer (8 KV heads of 64) at decode batches and one
+        prefill chunk, per launch variant (QWORKER_KV_WRITE), against the copy bandwidth and against
+        a plain copy of the same bytes (a small write cannot beat a launch)."""
+        torch = self.torch
+        kv = _load_kernel_module("triton_kv_cache")
+        dev, dt, bs = self.device, self.dtype, self.block_size
+        kvh, hd = (2, 64) if self.interpret else (8, 64)
+        rows = []
+        for tokens in (4, 16) if self.interpret else (64, 256, 4096):
+            k = torch.randn((tokens, kvh, hd), device=dev).to(dt)
+            v = torch.randn_like(k)
+            num_blocks = -(-tokens // bs) + 1
+            k_cache = torch.zeros((num_blocks, bs, kvh, hd), device=dev, dtype=dt)
+            v_cache = torch.zeros_like(k_cache)
+            slot_mapping = torch.randperm(num_blocks * bs, device=dev)[:tokens]
+            nbytes = 4 * k.numel() * k.element_size()  # read k and v, write both
+            both = torch.cat([k, v]).flatten()
+            dst = torch.empty_like(both)
+            copy_ms = self.time_ms(lambda dst=dst, both=both: dst.copy_(both))
+            for variant in kv.KV_WRITE_VARIANTS:
+                ms = self.time_ms(
+                    lambda k=k, v=v, kc=k_cache, vc=v_cache, sm=slot_mapping, variant=variant: (
+                        kv.write_kv_cache(k, v, kc, vc, sm, variant=variant)
+                    )
+                )
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                rows.append(
+                    {"kernel": "write_kv_cache", "tokens": tokens, "variant": variant, "ms": ms, "gbps": gbps,
+                     "fraction_of_copy": gbps / copy_gbps, "same_bytes_copy_ms": copy_ms,
+                     "over_same_bytes_copy": ms / copy_ms}
+                )  # fmt: skip
+        return rows
 
     def elementwise(self, copy_gbps: float) -> list[dict[str, Any]]:
         torch = self.torch
@@ -269,7 +310,8 @@ def main() -> int:
     print(f"device-to-device copy: {copy_gbps:.1f} GB/s (read + write)")
 
     decode = bench.decode(copy_gbps, args.sweep_splits)
-    decode_cols = ["batch", "context", "num_splits", "ms", "gbps", "fraction_of_copy", "max_abs_err"]
+    decode_cols = ["batch", "context", "num_splits", "ms", "gbps", "fraction_of_copy", "max_abs_err",
+                   "wave_num_splits", "wave_ms"]  # fmt: skip
     if args.sweep_splits:
         decode_cols.append("best_num_splits")
     _print_table(
@@ -284,6 +326,12 @@ def main() -> int:
     )
     elementwise = bench.elementwise(copy_gbps)
     _print_table("elementwise kernels", elementwise, ["kernel", "ms", "gbps", "fraction_of_copy"])
+    kv_write = bench.kv_write(copy_gbps)
+    _print_table(
+        "write_kv_cache by launch variant (the 1B layer, 8 KV heads x 64; 2 x 64 under --interpret)",
+        kv_write,
+        ["tokens", "variant", "ms", "gbps", "fraction_of_copy", "same_bytes_copy_ms"],
+    )
 
     if args.json:
         result = {
@@ -296,6 +344,7 @@ def main() -> int:
             "decode": decode,
             "prefill": prefill,
             "elementwise": elementwise,
+            "kv_write": kv_write,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

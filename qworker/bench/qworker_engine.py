@@ -10,7 +10,9 @@ Two admission modes:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from qworker.bench.kv_usage import KVSample
@@ -43,8 +45,11 @@ class QworkerEngineSystem(System):
         config: EngineConfig,
         static_batch_size: int | None = None,
         engine: LLMEngine | None = None,
+        sampling_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         assert static_batch_size is None or static_batch_size >= 1, f"bad batch size {static_batch_size}"
+        # SamplingParams fields set on every request (logprobs=5, n=4: what each costs).
+        self.sampling_overrides = dict(sampling_overrides or {})
         self.label = label
         self.config = config
         self.static_batch_size = static_batch_size
@@ -118,7 +123,7 @@ class QworkerEngineSystem(System):
                 engine.add_request(
                     record.request_id,
                     {"prompt_token_ids": request.prompt_token_ids},
-                    sampling_params_for(request),
+                    dataclasses.replace(sampling_params_for(request), **self.sampling_overrides),
                 )
             except InvalidRequestError as exc:
                 run.finish(record, RequestStatus.FAILED, run.now(), f"{type(exc).__name__}: {exc}")
@@ -157,7 +162,11 @@ class QworkerEngineSystem(System):
     def _kv_sample(self, t: float) -> KVSample:
         engine = self._engine()
         stats = engine.kv_stats()
-        running = [self._in_engine[r.request_id] for r in engine.scheduler.running]
+        # n > 1: the scheduler runs children `{id}#{i}` (parallel_sampling.child_id), each a sequence.
+        running = [
+            self._in_engine.get(r.request_id) or self._in_engine[r.request_id.rsplit("#", 1)[0]]
+            for r in engine.scheduler.running
+        ]
         return KVSample(
             t=t,
             num_used_blocks=stats.num_used_blocks,

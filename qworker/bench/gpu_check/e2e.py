@@ -81,17 +81,19 @@ def stage_e2e(sizes: Sizes, report: Report) -> dict[str, Any]:
     # Compiles the varlen and decode kernel variants outside the timed runs.
     warm_up(system, requests=[replace(r, output_len=8) for r in requests[:16]])
 
-    runs = []
-    row, graph_result = measure(system, requests, report.limits(60, reserve_s=150))
+    runs: list[dict[str, Any]] = []
+    report.partial.update(setup=setup, runs=runs)  # kept if the stage times out
+    row, graph_result = measure(system, requests, report.limits(0.3 * report.remaining()))
     runs.append(row)
     # The same engine, eager (what enforce_eager=True builds), under its own name in the table.
     runner.disable_cuda_graphs()
     system.label = "qworker-eager"
-    row, eager_result = measure(system, requests, report.limits(60, reserve_s=100))
+    row, eager_result = measure(system, requests, report.limits(0.4 * report.remaining()))
     runs.append(row)
 
     # Decode step time at fixed batch sizes: short prompts, every step a pure decode after the first.
-    decode_steps = []
+    decode_steps: list[dict[str, Any]] = []
+    report.partial["decode_steps"] = decode_steps
     prompt_len, output_len = sizes.decode_prompt_len, sizes.decode_output_len
     for batch in sizes.decode_batches:
         decode_requests = uniform_requests(
@@ -103,8 +105,8 @@ def stage_e2e(sizes: Sizes, report: Report) -> dict[str, Any]:
             else:
                 runner.disable_cuda_graphs()
             # The first run of a shape compiles its prefill kernels; the second is the measurement.
-            measure(system, decode_requests, report.limits(10, reserve_s=80))
-            m, _ = measure(system, decode_requests, report.limits(10, reserve_s=80))
+            measure(system, decode_requests, report.limits(10))
+            m, _ = measure(system, decode_requests, report.limits(10))
             decode_steps.append(
                 {
                     "batch": batch,
@@ -140,7 +142,7 @@ def stage_e2e(sizes: Sizes, report: Report) -> dict[str, Any]:
     hf_runs = []
     for batch_size in sizes.hf_batch_sizes:
         baseline = hf_system(f"hf-static-b{batch_size}", hf, batch_size, sizes)
-        budget_s = max(15.0, min(60.0, (report.remaining() - 20) / len(sizes.hf_batch_sizes)))
+        budget_s = max(3.0, min(60.0, (report.remaining() - 2) / (2 * len(sizes.hf_batch_sizes))))
         pace = run_system(baseline, requests[:batch_size], limits=RunLimits(drain_timeout_s=budget_s))
         num_batches = max(1, int(budget_s / max(pace.duration_s, 1e-3)))
         subset = requests[: num_batches * batch_size]

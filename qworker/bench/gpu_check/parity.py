@@ -32,7 +32,7 @@ def stage_parity(sizes: Sizes, report: Report) -> dict[str, Any]:
         seed=0,
     )
     common = dict(dtype="float32", max_num_seqs=sizes.parity_num_requests, block_size=16)
-    deadline = report.until(90, reserve_s=180)
+    deadline = report.until(report.remaining())
     checks: list[dict[str, Any]] = []
     failures: list[str] = []
     systems: dict[str, Any] = {}

@@ -56,6 +56,26 @@ class Sizes:
     kernel_gqa: tuple[int, ...]
     kernel_dtypes: tuple[str, ...]
     norm_hidden: tuple[int, ...]
+    # roofline / profile / consistency (decode_probe.py: synthetic decode steps on the e2e model)
+    roofline_batches: tuple[int, ...]
+    roofline_contexts: tuple[int, ...]
+    roofline_iters: int  # timed repeats of each step
+    copy_mib: int  # the bandwidth probe's buffer
+    matmul_n: int  # the matmul-rate probe: [n, n] @ [n, n] in the e2e dtype
+    profile_batch: int
+    profile_context: int
+    consistency_batches: tuple[int, ...]  # not captured sizes, mostly: replays pad them
+    consistency_context: int
+    # serving (serving.py): nano-vllm's protocol and the packaged workloads, scaled
+    nano_num_requests: int
+    nano_lengths: tuple[int, int]  # input and output lengths, uniform in [min, max]
+    serving_kv_cache_gb: float
+    shared_prefix_num_requests: int
+    shared_prefix_len: int | None  # None: the spec's own 512
+    poisson_num_requests: int
+    poisson_rates: tuple[float, ...]  # raised in order until p99 TTFT passes 2 s
+    features_num_requests: int  # offline-mixed requests for the plain / logprobs / n=4 runs
+    serving_hf_batch: int
 
 
 GPU_SIZES = Sizes(
@@ -69,9 +89,10 @@ GPU_SIZES = Sizes(
     e2e_max_num_seqs=256,
     e2e_max_num_batched_tokens=4096,
     hf_batch_sizes=(32,),
-    decode_batches=(1, 8, 64, 256),
+    # Engine-level decode steps (scheduler and sampler included); the roofline stage has the rest.
+    decode_batches=(1, 256),
     decode_prompt_len=128,
-    decode_output_len=64,
+    decode_output_len=32,
     parity_model=dict(
         TINY_LLAMA,
         vocab_size=2048,
@@ -90,6 +111,24 @@ GPU_SIZES = Sizes(
     kernel_gqa=(1, 3, 8),
     kernel_dtypes=("bfloat16", "float16", "float32"),
     norm_hidden=(2048, 4096, 1000),
+    roofline_batches=(1, 8, 64, 256),
+    roofline_contexts=(128, 1024),
+    roofline_iters=20,
+    copy_mib=1024,
+    matmul_n=8192,
+    profile_batch=64,
+    profile_context=1024,
+    consistency_batches=(1, 3, 5, 13, 50, 200),
+    consistency_context=200,
+    nano_num_requests=256,
+    nano_lengths=(100, 1024),
+    serving_kv_cache_gb=16.0,
+    shared_prefix_num_requests=1024,
+    shared_prefix_len=None,
+    poisson_num_requests=512,
+    poisson_rates=(64.0, 128.0, 256.0, 512.0, 1024.0),
+    features_num_requests=256,
+    serving_hf_batch=16,
 )
 
 CPU_SMOKE_SIZES = Sizes(
@@ -116,4 +155,22 @@ CPU_SMOKE_SIZES = Sizes(
     kernel_gqa=(1, 3),
     kernel_dtypes=("float32",),
     norm_hidden=(256, 100),
+    roofline_batches=(1, 3),
+    roofline_contexts=(8, 40),
+    roofline_iters=1,
+    copy_mib=8,
+    matmul_n=128,
+    profile_batch=3,
+    profile_context=20,
+    consistency_batches=(3, 5),  # captured sizes 1, 2, 4, 5: batch 3 replays padded to 4
+    consistency_context=20,
+    nano_num_requests=4,
+    nano_lengths=(4, 12),
+    serving_kv_cache_gb=0.01,
+    shared_prefix_num_requests=6,
+    shared_prefix_len=24,
+    poisson_num_requests=4,
+    poisson_rates=(50.0, 1000.0),
+    features_num_requests=3,
+    serving_hf_batch=2,
 )
