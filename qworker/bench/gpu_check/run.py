@@ -54,9 +54,9 @@ REGISTRY: list[Stage] = [
     Stage("consistency", lambda c: stage_consistency(c.sizes, c.report), 15, 90),
     Stage("roofline", lambda c: stage_roofline(c.sizes, c.report), 30, 90),
     Stage("profile", lambda c: stage_profile(c.sizes, c.report, c.out_dir), 10, 60),
-    Stage("e2e", lambda c: stage_e2e(c.sizes, c.report), 25, 120),
-    Stage("serving", lambda c: stage_serving(c.sizes, c.report), 65, 180),
-    Stage("cold_start", lambda c: stage_cold_start(c.sizes, c.report), 35, 120),
+    Stage("e2e", lambda c: stage_e2e(c.sizes, c.report), 35, 120),
+    Stage("serving", lambda c: stage_serving(c.sizes, c.report), 60, 180),
+    Stage("cold_start", lambda c: stage_cold_start(c.sizes, c.report), 30, 120),
     # The batch-invariant mode's stage (qworker/bench/gpu_check/invariance.py) registers here: 15 s.
     Stage(
         "pytest",
