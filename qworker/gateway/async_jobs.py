@@ -10,12 +10,15 @@ object, built from the result store:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qworker.gateway.records import Records
 from qworker.gateway.webhooks import JOB_KIND
 from qworker.worker.backends.sink import ResultSink
 from qworker.worker.jobs import JobResult, JobStatus
+
+if TYPE_CHECKING:
+    from qworker.worker.backends.redis.results import RedisResultSink
 
 RUNPOD_STATUS_OF = {
     JobStatus.COMPLETED: "COMPLETED",
@@ -36,26 +39,22 @@ def job_record(owner: str, webhook: str | None) -> dict[str, Any]:
     }
 
 
-def delta_redis(sink: ResultSink) -> tuple[Any, str] | None:
+def delta_store(sink: ResultSink) -> RedisResultSink | None:
     """The Redis store that holds the job's live deltas, if there is one."""
     from qworker.worker.backends.redis.results import RedisResultSink
     from qworker.worker.backends.split_sink import SplitSink
 
     if isinstance(sink, SplitSink):
-        return delta_redis(sink.stream)
+        return delta_store(sink.stream)
     if isinstance(sink, RedisResultSink):
-        return sink.redis, sink.prefix
+        return sink
     return None
 
 
 def is_streaming(sink: ResultSink, job_id: str) -> bool:
-    from qworker.worker.backends.redis import keys
-
-    found = delta_redis(sink)
-    if found is None:
-        return False
-    redis, prefix = found
-    return bool(redis.exists(keys.delta_stream_key(prefix, job_id)))
+    store = delta_store(sink)
+    # The store's own key for the job: on a Redis Cluster it carries the job's hash tag.
+    return store is not None and bool(store.redis.exists(store.delta_key(job_id)))
 
 
 def status_object(
