@@ -12,6 +12,9 @@ from its URL, through the backend table (backends/__init__.py).
     celery+redis://host:port/db?queue=qworker&lease_timeout_s=...        job source (Celery messages)
                                                                         and, as results, Celery's
                                                                         Redis result backend
+    celery+amqp://user:pw@host:5672/vhost?queue=qworker&max_priority=...  job source (Celery messages
+                                                                        on RabbitMQ; results: --results
+                                                                        celery+redis://...), also amqps
     memory://NAME                                                       both, in this process only
 
 Final results and the live token stream may go to different stores: open_sink(results,

@@ -63,7 +63,11 @@ def test_the_result_cases_cover_the_table():
     topologies = {"redis+cluster", "rediss+cluster", "redis+sentinel"}
     covered = {"redis", "rediss", "unix", "s3", "celery+redis", "celery+rediss", "memory"} | topologies
     assert set(result_schemes()) == covered
-    queue_cases = {"redis", "rediss", "unix", "sqs", "celery+redis", "celery+rediss", "memory"} | topologies
+    # celery+amqp(s) connect when opened too: tests/integration/test_celery_rabbitmq.py opens them.
+    rabbitmq = {"celery+amqp", "celery+amqps"}
+    queue_cases = (
+        {"redis", "rediss", "unix", "sqs", "celery+redis", "celery+rediss", "memory"} | topologies | rabbitmq
+    )
     assert set(queue_schemes()) == queue_cases
 
 

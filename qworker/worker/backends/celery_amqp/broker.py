@@ -54,7 +54,7 @@ class AmqpBroker:
         return self._channel
 
     def _open(self) -> None:
-        import amqp
+        import amqp  # type: ignore[import-untyped]
 
         connection = amqp.Connection(**self.config.connect_kwargs())
         try:
@@ -74,7 +74,7 @@ class AmqpBroker:
         self.generation += 1
 
     def _declare(self, channel: Any) -> None:
-        import amqp
+        import amqp  # type: ignore[import-untyped]
 
         c = self.config
         try:
@@ -105,7 +105,7 @@ class AmqpBroker:
 
     def call(self, what: str, fn: Callable[[Any], T]) -> T:
         """`fn(channel)`; a broker failure resets the channel and raises ConnectionError."""
-        import amqp
+        import amqp  # type: ignore[import-untyped]
 
         try:
             return fn(self.channel())

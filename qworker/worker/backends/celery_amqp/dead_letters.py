@@ -72,7 +72,7 @@ class AmqpDeadLetters(DeadLetterQueue):
 
     def _take(self, limit: int) -> list[Any]:
         dead = self.config.dead_letter
-        messages = []
+        messages: list[Any] = []
         while len(messages) < limit:
             message = self.broker.call("reading dead letters", lambda ch: ch.basic_get(dead, no_ack=False))
             if message is None:
@@ -87,7 +87,7 @@ class AmqpDeadLetters(DeadLetterQueue):
             self.broker.reset()  # what was read goes back, in order
 
     def replay(self, dead_letter_ids: Iterable[str] | None, results: ResultSink | None) -> list[DeadLetter]:
-        import amqp
+        import amqp  # type: ignore[import-untyped]
 
         wanted = None if dead_letter_ids is None else set(dead_letter_ids)
         queue = self.config.queue
@@ -107,9 +107,9 @@ class AmqpDeadLetters(DeadLetterQueue):
                 tag = message.delivery_info["delivery_tag"]
                 self.broker.call(
                     "replaying",
-                    lambda ch, m=copy: ch.basic_publish_confirm(m, exchange=queue, routing_key=queue),
+                    lambda ch, m=copy: ch.basic_publish_confirm(m, exchange=queue, routing_key=queue),  # type: ignore[misc]
                 )
-                self.broker.call("replaying", lambda ch, t=tag: ch.basic_ack(t))
+                self.broker.call("replaying", lambda ch, t=tag: ch.basic_ack(t))  # type: ignore[misc]
                 replayed.append(letter)
             # A round trip, so that the acks are processed before the channel closes.
             self.broker.call("replaying", lambda ch: ch.queue_declare(self.config.dead_letter, passive=True))

@@ -24,7 +24,7 @@ def amqp_priority(job_priority: int, max_priority: int | None) -> int | None:
 
 
 def celery_message(job: OutgoingJob, max_priority: int | None) -> Any:
-    import amqp
+    import amqp  # type: ignore[import-untyped]
 
     headers = {
         "lang": "py",
@@ -68,7 +68,7 @@ class AmqpCeleryProducer(JobProducer):
             message = celery_message(job, self.config.max_priority)
             self.broker.call(
                 "publishing",
-                lambda ch, m=message: ch.basic_publish_confirm(m, exchange=queue, routing_key=queue),
+                lambda ch, m=message: ch.basic_publish_confirm(m, exchange=queue, routing_key=queue),  # type: ignore[misc]
             )
         return [job.job_id for job in jobs]
 

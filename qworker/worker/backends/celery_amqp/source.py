@@ -222,11 +222,12 @@ class AmqpCelerySource(JobSource):
             self._messages.pop(lease.message_id, None)
             if self._is_current(lease):
                 self.broker.call(
-                    "basic.reject", lambda ch, le=lease: ch.basic_reject(self._tag(le), requeue=True)
+                    "basic.reject",
+                    lambda ch, le=lease: ch.basic_reject(self._tag(le), requeue=True),  # type: ignore[misc]
                 )
 
     def dead_letter(self, lease: Lease, reason: str) -> None:
-        import amqp
+        import amqp  # type: ignore[import-untyped]
 
         message = self._messages.get(lease.message_id)
         if message is None or not self._is_current(lease):
