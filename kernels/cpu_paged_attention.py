@@ -28,6 +28,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_float64_reference",
     "paged_decode_attention_torch",
+    "write_kv_cache",
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -41,7 +42,11 @@ _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _LIBRARY = CKernelLibrary(
     "cpu_paged_attention.c",
     # pointers, sizes, scale, window, has_soft_cap, soft_cap, is_bf16, num_threads
-    {"qw_paged_decode_attention": [*[_P] * 6, *[_I64] * 7, _F, _I64, _I, _F, _I, _I]},
+    {
+        "qw_paged_decode_attention": [*[_P] * 6, *[_I64] * 7, _F, _I64, _I, _F, _I, _I],
+        # k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, tokens, slots, row_bytes
+        "qw_write_kv_cache": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64],
+    },
     errors={
         1: (ValueError, "seq_lens holds a length < 1 or > max_blocks_per_seq * block_size"),
         2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
@@ -306,3 +311,43 @@ def paged_decode_attention_float64_reference(
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hn,nhd->hd", probs, v).to(q.dtype)
     return out
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [T, KVH, D] (rows may be strided, heads packed within a row) into the caches
+    [num_blocks, block_size, KVH, D] at the flat slots slot_mapping [T] int64: the C kernel's
+    version of `qworker.model.attention.write_kv_cache_torch`, one memcpy per row."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_tokens = k.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if t.device.type != "cpu" or t.dtype != k_cache.dtype or t.dtype not in _DTYPES:
+            raise ValueError(f"{name} must be a CPU {k_cache.dtype} tensor, got {t.device} {t.dtype}")
+        if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim) or t.stride()[1:] != (head_dim, 1):
+            raise ValueError(
+                f"{name} must be [{num_tokens}, {num_kv_heads}, {head_dim}] with packed heads, "
+                f"got {tuple(t.shape)} {t.stride()}"
+            )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (
+            t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.shape != k_cache.shape
+            or t.dtype != k_cache.dtype
+        ):
+            raise ValueError(f"{name} must be a contiguous CPU tensor shaped like k_cache")
+    if (
+        slot_mapping.dtype != torch.int64
+        or slot_mapping.shape != (num_tokens,)
+        or not slot_mapping.is_contiguous()
+    ):
+        raise ValueError(f"slot_mapping must be contiguous int64 [{num_tokens}], got {slot_mapping.dtype}")
+    num_slots = k_cache.numel() // (num_kv_heads * head_dim)
+    item = k.element_size()
+    rc = _LIBRARY.require().qw_write_kv_cache(
+        k.data_ptr(), k.stride(0) * item, v.data_ptr(), v.stride(0) * item, k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_slots, num_kv_heads * head_dim * item,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"write_kv_cache: a slot is outside [0, {num_slots})")

@@ -6,7 +6,11 @@ speed-ups switched off:
   --a unpacked    F.linear instead of the packed oneDNN weights
   --a sdpa        prefill attention through torch's SDPA, a sequence at a time, instead of the
                   C kernel
-  (all, comma-separated, is the engine before them)
+  --a kv-write    the KV-cache write by torch's index_copy_ instead of the C kernel's memcpy
+  --a step-sharing  requests admitted in one step do not share the blocks another of them
+                  fills in it (blocks cached only after the step), as before prefix caching
+                  within a step; try it with --workload shared-prefix
+  (torch-ops,unpacked,sdpa, the default, is the engine before the first round of them)
 
 Both engines get `offline-mixed`'s requests (or --num-requests of them) all at once and run
 --steps steps each (prefill steps first, then decode steps). It prints the median time of each
@@ -31,7 +35,7 @@ from qworker.engine.llm_engine import LLMEngine
 from qworker.model.linear import Linear
 from qworker.model.ops import TORCH_OPS
 
-SWITCHES = ("torch-ops", "unpacked", "sdpa")
+SWITCHES = ("torch-ops", "unpacked", "sdpa", "kv-write", "step-sharing")
 
 
 def switch_off(engine: LLMEngine, switches: list[str]) -> None:
@@ -45,11 +49,15 @@ def switch_off(engine: LLMEngine, switches: list[str]) -> None:
         model.lm_head_packed.enabled = False
     if "sdpa" in switches:
         engine.runner.backend._prefill_kernel = None
+    if "kv-write" in switches:
+        engine.runner.backend._kv_writer = None
+    if "step-sharing" in switches:
+        engine.kv_cache_manager.cache_scheduled_blocks = lambda request, num_tokens: None  # type: ignore[method-assign]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--a", default=",".join(SWITCHES), help=f"what A switches off: {SWITCHES}")
+    parser.add_argument("--a", default="torch-ops,unpacked,sdpa", help=f"what A switches off: {SWITCHES}")
     parser.add_argument("--workload", default="offline-mixed")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
@@ -102,6 +110,8 @@ def main() -> None:
     total_b = sum(sum(v) for (n, _), v in times.items() if n == "B")
     print(f"all {args.steps} steps: A {total_a:.2f} s  B {total_b:.2f} s  A/B {total_a / total_b:.2f}")
     print(f"sampled tokens equal in A and B: {num_equal}/{num_tokens}")
+    computed = {name: e.scheduler.num_prompt_tokens_computed for name, e in engines.items()}
+    print(f"prompt tokens computed: A {computed['A']}  B {computed['B']}")
 
 
 if __name__ == "__main__":

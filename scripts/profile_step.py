@@ -93,6 +93,8 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
     attention_module.write_kv_cache_torch = timers.wrap(
         "attention: kv write", attention_module.write_kv_cache_torch
     )
+    if getattr(backend, "_kv_writer", None) is not None:
+        backend._kv_writer = timers.wrap("attention: kv write", backend._kv_writer)
     attention_module._prefill_attention = timers.wrap(
         "attention: prefill", attention_module._prefill_attention
     )
@@ -163,7 +165,10 @@ def main() -> None:
             r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
         )
         kind = "decode" if plan_is_decode else "prefill"
-        if args.torch_profile and kind not in profiled and (kind == "prefill" or decode_steps):
+        # The torch.profiler step comes after the first timed step of its kind, so that the
+        # timed prefill step is the first (a full budget of prompt tokens).
+        is_timed = prefill_steps if kind == "prefill" else decode_steps
+        if args.torch_profile and kind not in profiled and is_timed:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 engine.step()
             profiled[kind] = prof.key_averages().table(

@@ -310,3 +310,36 @@ def test_concurrent_first_builds_share_one_cache(tmp_path: Path) -> None:
     built = list(tmp_path.glob("kernels/*/cpu_paged_attention.so"))
     assert len(built) == 1
     assert not list(tmp_path.glob("kernels/*/.build-*")), "temporary build files left behind"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 37, 2048])
+def test_write_kv_cache_matches_index_copy(dtype: torch.dtype, num_tokens: int) -> None:
+    from qworker.model.attention import write_kv_cache_torch
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_blocks, block_size, num_kv_heads, head_dim = 200, 16, 3, 64
+    # v as the model hands it over: a strided view into a fused qkv output.
+    qkv = torch.randn(num_tokens, (9 + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = qkv[:, (9 + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    caches = [
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv"
+    ]
+    expected = [c.clone() for c in caches]
+    write_kv_cache_torch(k, v, *expected, slots)
+    cpa.write_kv_cache(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@needs_kernel
+def test_write_kv_cache_rejects_slots_outside_the_pool_and_writes_nothing() -> None:
+    k_cache, v_cache = torch.zeros(4, 2, 1, 16), torch.zeros(4, 2, 1, 16)
+    k, v = torch.ones(2, 1, 16), torch.ones(2, 1, 16)
+    with pytest.raises(ValueError, match="outside"):
+        cpa.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([3, 8]))
+    assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(ValueError, match="packed heads"):
+        cpa.write_kv_cache(k.transpose(1, 2), v, k_cache, v_cache, torch.tensor([0, 1]))
