@@ -8,6 +8,7 @@ SoakSettings.
 
     .venv/bin/python scripts/chaos_soak.py                       # 10,000 jobs, about 20 minutes
     .venv/bin/python scripts/chaos_soak.py --num-jobs 500 --chaos-every-s 8
+    .venv/bin/python scripts/chaos_soak.py --cluster              # on a 3-primary Redis Cluster
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for f in dataclasses.fields(SoakSettings):
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata.get("help"))
+        if isinstance(f.default, bool):
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata.get("help")
+            )
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata.get("help"))
     args = parser.parse_args(argv)
     return run_soak(SoakSettings(**vars(args)))
 

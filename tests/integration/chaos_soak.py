@@ -17,6 +17,10 @@ memory.png. Growth after warm-up is bounded:
   medians smooth; a leak of a few KiB per job over 10,000 jobs exceeds the bound);
 - Redis: used_memory may grow by the results it keeps (each is stored for its TTL), at most
   REDIS_BYTES_PER_JOB per job plus 32 MiB.
+With `cluster` (scripts/chaos_soak.py --cluster) the same soak runs on a private 3-primary Redis
+Cluster (AOF on every node) with the cluster key layout: the Redis event is the restart of the
+node that serves the queue's slot, and once, at 70% of the run, the queue's slot migrates to
+another node while the workers lease from it.
 `run_soak` prints the counts and returns 1 if any is wrong. scripts/chaos_soak.py runs it from
 the command line (10,000 jobs, about 20 minutes); tests/integration/test_chaos_small.py runs that
 script with 300.
@@ -36,12 +40,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis as redis_lib
 
 from qworker.worker.backends.redis import keys as constants
 from qworker.worker.client import Client
 from qworker.worker.redis_server import RedisServer
+from qworker.worker.redis_topologies import LocalCluster, RedisNode
 from qworker.worker.testing import spawn_worker, write_tiny_model_dir
 
 MIB = 1024 * 1024
@@ -82,6 +88,52 @@ class SoakSettings:
     seed: int = 0
     out: str = str(Path(tempfile.gettempdir()) / "qworker-chaos-soak")
     model_dir: str = str(Path(tempfile.gettempdir()) / "qworker-chaos-tiny-llama")
+    cluster: bool = field(default=False, metadata={"help": "run on a 3-primary Redis Cluster"})
+
+
+class ClusterStore:
+    """The soak's Redis when it is a cluster: the node that serves the queue's slot stands for
+    the server (killed and restarted once), and counts go through a cluster client."""
+
+    def __init__(self, data_dir: Path, stream_key: str) -> None:
+        from redis.crc import key_slot
+
+        self.cluster = LocalCluster(data_dir)
+        for node in self.cluster.nodes:
+            node.args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        self.cluster.start()
+        self.slot = key_slot(stream_key.encode())
+        # The node kill() took down, for start() to bring back.
+        self.killed: RedisNode | None = None
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    def queue_node(self) -> RedisNode:
+        return self.cluster.owner_of(self.slot)
+
+    def kill(self) -> None:
+        self.killed = self.queue_node()
+        self.killed.kill()
+
+    def start(self) -> None:
+        assert self.killed is not None, "kill() first"
+        self.killed.start()
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+    def used_memory(self) -> int:
+        return sum(int(node.client().info("memory")["used_memory"]) for node in self.cluster.nodes)
+
+    def client(self) -> Any:
+        return redis_lib.RedisCluster(
+            host="127.0.0.1",
+            port=self.cluster.nodes[0].port,
+            socket_timeout=10,
+            cluster_error_retry_attempts=10,
+        )
 
 
 class Soak:
@@ -90,11 +142,17 @@ class Soak:
         self.rng = random.Random(settings.seed)
         self.out = Path(settings.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.server = RedisServer(self.out / "redis-data").start()
         name = f"soak:{os.getpid()}"
-        self.stream = name
+        self.layout = constants.CLUSTER if settings.cluster else constants.SINGLE_SERVER
+        self.stream = self.layout.stream(name)
         self.prefix = name
+        self.server: RedisServer | ClusterStore
+        if settings.cluster:
+            self.server = ClusterStore(self.out / "redis-cluster", self.stream)
+        else:
+            self.server = RedisServer(self.out / "redis-data").start()
         self.url = f"{self.server.url}?stream={name}&group=g&prefix={name}"
+        self.num_slot_moves = 0
         self.model_dir = write_tiny_model_dir(Path(settings.model_dir))
         self.slots = [Slot(f"w{i}") for i in range(settings.workers)]
         self.t0 = time.monotonic()
@@ -189,12 +247,25 @@ class Soak:
 
     # -- chaos ---------------------------------------------------------------------------------
 
+    def redis_client(self) -> Any:
+        if isinstance(self.server, ClusterStore):
+            return self.server.client()
+        return redis_lib.Redis(port=self.server.port, socket_timeout=10)
+
     def chaos(self) -> None:
         actions = ["kill", "term"]
         redis_at = self.settings.num_jobs * 0.4 / self.settings.rate
+        move_at = self.settings.num_jobs * 0.7 / self.settings.rate
         while not self.stop.is_set():
             if self.stop.wait(self.rng.uniform(0.5, 1.5) * self.settings.chaos_every_s):
                 return
+            if isinstance(self.server, ClusterStore) and self.num_slot_moves == 0 and self.now() >= move_at:
+                source = self.server.queue_node()
+                target = self.rng.choice([n for n in self.server.cluster.nodes if n is not source])
+                moved = self.server.cluster.migrate_slot(self.server.slot, target, batch=1, pause_s=0.5)
+                self.num_slot_moves += 1
+                self.log(f"queue slot {self.server.slot} moved to port {target.port} ({moved} keys)")
+                continue
             if self.num_redis_restarts == 0 and self.now() >= redis_at:
                 self.server.kill()
                 self.log("redis killed")
@@ -246,7 +317,7 @@ class Soak:
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + self.settings.timeout_s
-        r = redis_lib.Redis(port=self.server.port, socket_timeout=5)
+        r = self.redis_client()
         while time.monotonic() < deadline:
             time.sleep(2)
             try:
@@ -265,7 +336,7 @@ class Soak:
             for slot in self.slots:
                 if slot.process is not None:
                     slot.process.wait(timeout=120)
-        summary = self.summarize(redis_lib.Redis(port=self.server.port, socket_timeout=10))
+        summary = self.summarize(self.redis_client())
         self.server.stop()
         return 0 if summary["ok"] else 1
 
@@ -273,8 +344,13 @@ class Soak:
         ids = list(self.submitted)
         n = 0
         for i in range(0, len(ids), 1000):
-            keys = [constants.result_key(self.prefix, job_id) for job_id in ids[i : i + 1000]]
-            n += sum(1 for v in r.mget(keys) if v is not None)
+            keys = [
+                constants.result_key(self.prefix, self.layout.job(job_id)) for job_id in ids[i : i + 1000]
+            ]
+            pipe = r.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            n += sum(1 for v in pipe.execute() if v)
         return n
 
     def summarize(self, r: redis_lib.Redis) -> dict:
@@ -284,7 +360,7 @@ class Soak:
         for i in range(0, len(ids), 500):
             pipe = r.pipeline(transaction=False)
             for job_id in ids[i : i + 500]:
-                pipe.xrange(constants.delta_stream_key(self.prefix, job_id))
+                pipe.xrange(constants.delta_stream_key(self.prefix, self.layout.job(job_id)))
             for entries in pipe.execute():
                 done = sum(1 for _, fields in entries if constants.DELTA_FIELD_DONE.encode() in fields)
                 num_duplicated += done > 1
@@ -305,6 +381,8 @@ class Soak:
             "worker_kills": self.num_kills,
             "worker_terms": self.num_terms,
             "redis_restarts": self.num_redis_restarts,
+            "cluster": self.settings.cluster,
+            "slot_moves": self.num_slot_moves,
             "seconds": round(self.now(), 1),
             **memory,
         }
@@ -316,6 +394,7 @@ class Soak:
             and summary["dead_letters"] == 0
             and memory["memory_ok"]
             and self.num_redis_restarts == 1
+            and self.num_slot_moves == (1 if self.settings.cluster else 0)
         )
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.plot()
