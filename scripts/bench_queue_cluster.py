@@ -6,6 +6,11 @@ loopback ports (qworker/worker/redis_topologies.py); the single server is a priv
 too, so that both run with the same settings (no persistence).
 
     python scripts/bench_queue_cluster.py [--workload offline-mixed] [--num-requests 32] [--rounds 3]
+    python scripts/bench_queue_cluster.py --fake-engine --num-requests 2000   # the queue path alone
+
+With --fake-engine the worker runs qworker's scripted FakeEngine (one token per step, no model),
+so that the run measures the queue path itself: leases, delta and result writes, acks, the
+client's reads. With SmolLM2 the engine's time hides most of the queue's.
 
 Prints one JSON line per run and, at the end, each pair's cluster/single output-throughput ratio
 with the median; the load average is printed beside each run.
@@ -16,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -28,9 +35,10 @@ from bench_queue import run_queue
 
 from qworker.bench.qworker_engine import QworkerEngineSystem
 from qworker.bench.run_loop import warm_up
-from qworker.bench.workload import load_workload, requests_for_model
+from qworker.bench.workload import BenchRequest, load_workload, requests_for_model
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
+from qworker.worker.fake_engine import FakeEngine
 from qworker.worker.redis_server import RedisServer
 from qworker.worker.redis_topologies import LocalCluster
 
@@ -45,12 +53,28 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-backlog", type=int, default=16)
+    parser.add_argument(
+        "--fake-engine", action="store_true", help="the scripted engine: the queue path alone"
+    )
     args = parser.parse_args()
 
-    spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
-    requests = requests_for_model(spec, args.model)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
-    warm_up(QworkerEngineSystem("engine-only", engine.config, engine=engine), requests=requests)
+    engine: Any
+    if args.fake_engine:
+        workload = f"fake-engine, {args.num_requests} jobs of 16 prompt and 32 output tokens"
+        rng = random.Random(0)
+        requests = [
+            BenchRequest(f"r{i}", i, [rng.randrange(256) for _ in range(16)], output_len=32, arrival_s=0.0)
+            for i in range(args.num_requests)
+        ]
+        engine = FakeEngine(
+            EngineConfig(model="fake", block_size=16, num_kv_blocks=8192, max_num_seqs=64), max_model_len=1024
+        )
+    else:
+        spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
+        workload = spec.name
+        requests = requests_for_model(spec, args.model)
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+        warm_up(QworkerEngineSystem("engine-only", engine.config, engine=engine), requests=requests)
     tmp = Path(tempfile.mkdtemp(prefix="qworker-bench-cluster-"))
     single = RedisServer(tmp / "single", appendonly=False).start()
     cluster = LocalCluster(tmp / "cluster").start()
@@ -72,7 +96,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "workload": spec.name,
+                "workload": workload,
                 "num_requests": len(requests),
                 "model": args.model,
                 "pair_ratios_cluster_over_single": [round(r, 4) for r in ratios],
