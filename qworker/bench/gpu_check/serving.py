@@ -102,9 +102,12 @@ def stage_serving(sizes: Sizes, report: Report) -> dict[str, Any]:
     # Logprobs and n = 4 against plain, same engine, same requests.
     features = scaled("offline-mixed", sizes.features_num_requests, sizes, vocab)
     plain = record(run_row("qworker offline-mixed plain", system, features, share(0.1)), len(features))
-    for label, overrides in (("logprobs=5", {"logprobs": 5}), ("n=4", {"n": 4})):
+    # n = 4 runs four sequences per request: up to 4x the steps at max_num_seqs, so more time.
+    for label, overrides, fraction in (("logprobs=5", {"logprobs": 5}, 0.1), ("n=4", {"n": 4}, 0.2)):
         system.sampling_overrides = overrides
-        row = record(run_row(f"qworker offline-mixed {label}", system, features, share(0.12)), len(features))
+        row = record(
+            run_row(f"qworker offline-mixed {label}", system, features, share(fraction)), len(features)
+        )
         result["ratios"][f"duration {label} / plain"] = ratio(row["duration"], plain["duration"])
     system.sampling_overrides = {}
 

@@ -127,7 +127,7 @@ GPU_SIZES = Sizes(
     shared_prefix_len=None,
     poisson_num_requests=512,
     poisson_rates=(64.0, 128.0, 256.0, 512.0, 1024.0),
-    features_num_requests=256,
+    features_num_requests=128,
     serving_hf_batch=16,
 )
 
@@ -171,6 +171,6 @@ CPU_SMOKE_SIZES = Sizes(
     shared_prefix_len=24,
     poisson_num_requests=4,
     poisson_rates=(50.0, 1000.0),
-    features_num_requests=3,
+    features_num_requests=1,  # n = 4 fills max_num_seqs 4
     serving_hf_batch=2,
 )
