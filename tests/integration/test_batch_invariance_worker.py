@@ -1,0 +1,141 @@
+"""Through the worker, with `--batch-invariant`: 10 greedy chat jobs and one seeded sampled job on
+the real SmolLM2 in bf16, the worker SIGKILLed mid-run, a peer finishing them in another batch
+composition. Every rerun's text starts with (and so repeats) what its first attempt had streamed,
+`Client.stream` raises nothing, and the stored text is what the reader assembled. Real worker
+processes on the real Redis.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+
+from qworker.worker.backends.redis import keys as constants
+from qworker.worker.client import Client
+from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.worker.jobs import JobStatus
+from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Why is the sky blue?",
+    "Write one sentence about cats.",
+    "What is 12 times 7?",
+    "Give a synonym for happy.",
+    "What do bees make?",
+    "Describe the sea in five words.",
+    "How many legs does a spider have?",
+    "What is the opposite of cold?",
+]
+MAX_TOKENS = 40
+
+
+@pytest.fixture
+def url():
+    url = unique_url(redis_base_url(), tag="invariant")
+    yield url
+    cleanup(raw_redis(url), url)
+
+
+def raw_redis(url: str) -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Reader(threading.Thread):
+    """Client.stream(job_id) in a thread, from before the job starts until its result is stored."""
+
+    def __init__(self, url: str, job_id: str) -> None:
+        super().__init__(daemon=True)
+        self.client = Client(queue=url)
+        self.job_id = job_id
+        self.chunks: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for text in self.client.stream(self.job_id, timeout=300):
+                self.chunks.append(text)
+        except BaseException as exc:
+            self.error = exc
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+
+def first_attempt_text(r: redis_lib.Redis, deltas_key: str) -> str:
+    """The text a job's first attempt streamed: its deltas before the first attempt marker."""
+    text = []
+    for _, fields in r.xrange(deltas_key):
+        if b"attempt" in fields:
+            break
+        text.append(fields.get(b"text", b"").decode())
+    return "".join(text)
+
+
+def test_redelivered_jobs_repeat_their_text(url: str, tmp_path: Path) -> None:
+    prefix = parse_url(url, SOURCE_PARAMS | SINK_PARAMS).params["prefix"]
+    r = raw_redis(url)
+    client = Client(queue=url)
+    common = ("--dtype", "bfloat16", "--batch-invariant", "--lease-timeout-s", "2", "--drain-grace-s", "0")
+    victim = spawn_worker(url, Path("smollm2"), "victim", *common, log_path=tmp_path / "victim.log")
+    peer = None
+    try:
+        jobs = [
+            {
+                "messages": [{"role": "user", "content": q}],
+                "params": {"max_tokens": MAX_TOKENS, "temperature": 0},
+            }
+            for q in QUESTIONS
+        ]
+        jobs.append(
+            {
+                "messages": [{"role": "user", "content": "Tell me a story about a dragon."}],
+                "params": {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 1234, "ignore_eos": True},
+            }
+        )
+        job_ids = client.submit_many(jobs)
+        readers = [Reader(url, job_id) for job_id in job_ids]
+        for reader in readers:
+            reader.start()
+        keys = [constants.delta_stream_key(prefix, job_id) for job_id in job_ids]
+        # Mid-run: every job has streamed something, none is done.
+        wait_for(lambda: all(r.xlen(k) >= 3 for k in keys), 240, "every job to stream some tokens")
+        victim.send_signal(signal.SIGKILL)
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+        first = {job_id: first_attempt_text(r, k) for job_id, k in zip(job_ids, keys, strict=True)}
+        peer = spawn_worker(url, Path("smollm2"), "peer", *common, log_path=tmp_path / "peer.log")
+        results = client.results(job_ids, timeout=300)
+        for reader in readers:
+            reader.join(timeout=60)
+    finally:
+        for process in (victim, peer):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        if peer is not None:
+            assert peer.wait(timeout=60) == 0
+    rerun = [res for res in results if res.attempts == 2]
+    assert len(rerun) >= 1, "no job was redelivered"
+    for job_id, result, reader in zip(job_ids, results, readers, strict=True):
+        assert result.status is JobStatus.COMPLETED, result
+        if result.attempts == 2:
+            assert result.text.startswith(first[job_id]), (job_id, first[job_id], result.text)
+        assert reader.error is None, repr(reader.error)
+        assert reader.text == result.text
