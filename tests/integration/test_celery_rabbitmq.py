@@ -12,6 +12,9 @@ hostile raw AMQP messages, a queue declared with other arguments, the backlog, a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -23,6 +26,7 @@ from qworker.engine.llm_engine import LLMEngine
 from qworker.worker.backends.celery_amqp.broker import AmqpQueueMismatch
 from qworker.worker.connections import open_backlog, open_dead_letters, open_producer, open_sink, open_source
 from qworker.worker.demand import PoolSizing
+from qworker.worker.exporter import open_pool_demand_reader
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.integration import rabbitmq_node
@@ -126,6 +130,16 @@ def test_celery_app_results_failure_pickle_and_dlq(node, store, engine, tmp_path
         assert [d.id for d in letters] == [evil.id] and "not accepted" in letters[0].reason
         assert letters[0].attempts == 1 and letters[0].dead_at is not None
         assert dlq.read()[0].id == evil.id  # reading gave it back
+        listed = subprocess.run(
+            [sys.executable, "-m", "qworker", "dlq", "list", "--queue", url, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert listed.returncode == 0, listed.stderr
+        (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
+        assert row["id"] == evil.id and "not accepted" in row["reason"]
         assert [d.id for d in dlq.replay(None, open_sink(RESULTS))] == [evil.id]
         assert queue_counts(node.port, queue) == 1 and dlq.read() == []
         assert make_worker(engine, url).run(burst=True).num_dead_lettered == 1  # refused again
@@ -344,6 +358,12 @@ def test_backlog_counts_ready_messages_at_the_mean_job_size(node):
     assert work.in_flight.num_jobs == 0
     assert producer.queue_depth() == 7
     backlog.close()
+    # The exporter's reading: KV demand = depth x the configured mean blocks per job.
+    reader = open_pool_demand_reader(url, sizing)
+    demand = reader.read()
+    assert demand.waiting.num_jobs == 7 and demand.demand_blocks == 7 * sizing.mean_job_blocks
+    assert demand.desired_workers >= 1
+    reader.close()
     producer.close()
 
 

@@ -72,7 +72,7 @@ def test_sigkill_of_one_of_two_workers_loses_nothing(node, store, tiny_model_dir
     args = ("--results", RESULTS, "--num-kv-blocks", "256", "--max-backlog", "4")
     victim = spawn_worker(url, tiny_model_dir, "victim", *args, log_path=tmp_path / "victim.log")
     peer = None
-    sent = [app.send_task(TASK, kwargs=job(150, first=10 + i), queue=queue) for i in range(30)]
+    sent = [app.send_task(TASK, kwargs=job(100, first=10 + i), queue=queue) for i in range(30)]
     try:
         # The victim holds what admission let it take (at most max_backlog waiting, plus running).
         wait_for(lambda: queue_counts(node.port, queue) <= 30 - 4, 60, "the victim to take tasks")
@@ -86,7 +86,7 @@ def test_sigkill_of_one_of_two_workers_loses_nothing(node, store, tiny_model_dir
             victim.kill()
         forget(store, [r.id for r in sent])
         app.close()
-    assert all(v["status"] == "completed" and len(v["token_ids"]) == 150 for v in values)
+    assert all(v["status"] == "completed" and len(v["token_ids"]) == 100 for v in values)
     assert len({v["id"] for v in values}) == 30  # one result per task (first writer wins)
     redelivered = [v for v in values if v["attempts"] > 1]
     assert redelivered and all(v["worker"] == "peer" for v in redelivered)
@@ -101,7 +101,7 @@ def test_a_worker_rides_out_a_node_restart(node, store, tiny_model_dir, tmp_path
     queue = new_queue("restart")
     app = celery_app(node.url, [task_queue(queue)])
     url = amqp_url(node.port, queue)
-    sent = [app.send_task(TASK, kwargs=job(60, first=10 + i % 80), queue=queue) for i in range(60)]
+    sent = [app.send_task(TASK, kwargs=job(60, first=10 + i % 80), queue=queue) for i in range(40)]
     args = ("--results", RESULTS, "--num-kv-blocks", "256", "--max-backlog", "4", "--broker-outage-s", "120")
     worker = spawn_worker(url, tiny_model_dir, "rider", *args, log_path=tmp_path / "rider.log")
     try:
@@ -116,7 +116,7 @@ def test_a_worker_rides_out_a_node_restart(node, store, tiny_model_dir, tmp_path
         forget(store, [r.id for r in sent])
         app.close()
     assert all(v["status"] == "completed" for v in values)
-    assert len({v["id"] for v in values}) == 70
+    assert len({v["id"] for v in values}) == 50
     assert queue_counts(node.port, queue) == 0
     log = (tmp_path / "rider.log").read_text()
     assert "RabbitMQ" in log and "reconnecting" in log, log[-3000:]
