@@ -121,9 +121,10 @@ def run_batch(run: BatchRun, engine_config: EngineConfig, engine: LLMEngine | No
 
 
 def _load_engine(engine_config: EngineConfig) -> LLMEngine:
+    from qworker.batch.invariance import local_engine_config
     from qworker.engine.llm_engine import LLMEngine
 
-    return LLMEngine(engine_config)
+    return LLMEngine(local_engine_config(engine_config))
 
 
 def _run_local(
@@ -152,12 +153,14 @@ def _run_pool(
     batch_id: str,
     journal_path: Path,
 ) -> None:
+    from qworker.batch.invariance import warn_unless_pool_is_invariant
     from qworker.batch.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
     from qworker.batch.submitted import open_submitted
     from qworker.worker.client import Client
 
     assert run.queue is not None, "pool mode needs a queue"
     with Client(queue=run.queue, results=run.results) as client:
+        warn_unless_pool_is_invariant(client.sink)
         # The record of sent rows lives in the result store (a file only for stores without one).
         journal = open_submitted(client.sink, batch_id, journal_path)
         if not run.resume:

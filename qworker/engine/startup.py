@@ -68,6 +68,7 @@ def describe_hardware(engine: LLMEngine) -> HardwareInfo:
         num_kv_blocks=engine.num_kv_blocks,
         block_size=engine.config.block_size,
         kv_capacity_tokens=engine.num_kv_blocks * engine.config.block_size,
+        batch_invariant=engine.config.batch_invariant,
     )
 
 
