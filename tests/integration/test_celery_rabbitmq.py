@@ -24,6 +24,7 @@ import pytest
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
 from qworker.worker.backends.celery_amqp.broker import AmqpQueueMismatch
+from qworker.worker.backends.source import OutgoingJob
 from qworker.worker.connections import open_backlog, open_dead_letters, open_producer, open_sink, open_source
 from qworker.worker.demand import PoolSizing
 from qworker.worker.exporter import open_pool_demand_reader
@@ -264,6 +265,21 @@ def test_delivery_counts_quorum_and_classic(node, store):
         assert open_dead_letters(url).purge() == 1
         app.close()
     forget(store, [sent.id])
+    # Past x-delivery-limit (2: three deliveries) the broker dead-letters a quorum queue's message itself.
+    url = amqp_url(node.port, new_queue("limit"), queue_type="quorum", delivery_limit=2)
+    producer = open_producer(url)
+    producer.send([OutgoingJob("poison", json.dumps(job(2)).encode())])
+    source = open_source(url, consumer="c")
+    assert source.max_deliveries == 3
+    counts = []
+    while leases := source.lease(1, 1.0):
+        counts.append(leases[0].delivery_count)
+        source.release(leases)
+    source.close()
+    producer.close()
+    assert counts == [1, 2, 3]
+    (letter,) = open_dead_letters(url).read()
+    assert letter.id == "poison" and "delivery_limit" in letter.reason
 
 
 @pytest.mark.timeout(30)
@@ -347,8 +363,6 @@ def test_hostile_raw_messages_each_get_one_outcome(node, store, engine):
 def test_backlog_counts_ready_messages_at_the_mean_job_size(node):
     queue = new_queue("backlog")
     url = amqp_url(node.port, queue)
-    from qworker.worker.backends.source import OutgoingJob
-
     producer = open_producer(url)
     producer.send([OutgoingJob(f"{queue}-{i}", json.dumps(job(2)).encode()) for i in range(7)])
     sizing = PoolSizing()

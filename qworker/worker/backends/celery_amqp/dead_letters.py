@@ -49,7 +49,8 @@ def dead_letter_of(index: int, message: Any) -> DeadLetter:
     if reason is None:
         deaths = headers.get("x-death") or [{}]
         reason = f"RabbitMQ dead-lettered it ({deaths[0].get('reason', 'unknown')}, x-death)"
-        attempts = int(headers.get("x-delivery-count") or 0) + 1
+        # RabbitMQ drops x-delivery-count when it dead-letters: 0 when the count is unknown.
+        attempts = int(headers["x-delivery-count"]) + 1 if "x-delivery-count" in headers else 0
     body = bytes(message.body)
     if message.properties.get("content_type") == ACCEPTED_CONTENT_TYPE:
         job_body, problem = CelerySource.job_body(body)
