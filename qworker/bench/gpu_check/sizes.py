@@ -164,12 +164,12 @@ CPU_SMOKE_SIZES = Sizes(
     profile_context=20,
     consistency_batches=(3, 5),  # captured sizes 1, 2, 4, 5: batch 3 replays padded to 4
     consistency_context=20,
-    nano_num_requests=4,
+    nano_num_requests=3,
     nano_lengths=(4, 12),
     serving_kv_cache_gb=0.01,
-    shared_prefix_num_requests=6,
-    shared_prefix_len=24,
-    poisson_num_requests=4,
+    shared_prefix_num_requests=3,
+    shared_prefix_len=16,
+    poisson_num_requests=3,
     poisson_rates=(50.0, 1000.0),
     features_num_requests=1,  # n = 4 fills max_num_seqs 4
     serving_hf_batch=2,
