@@ -288,8 +288,27 @@ def test_a_queue_declared_otherwise_is_named_not_retried(node):
     open_producer(amqp_url(node.port, queue, max_priority=10)).close()
     with pytest.raises(AmqpQueueMismatch, match="other arguments"):
         open_source(amqp_url(node.port, queue), consumer="c")
-    # declare=false only checks that it exists.
-    open_source(amqp_url(node.port, queue, declare="false"), consumer="c").close()
+    # declare=false only checks that it exists (here a plain queue, as Celery creates one without
+    # task_queues); qworker's dead-letter exchange and queue are still declared.
+    import amqp
+
+    queue = new_queue("plain")
+    connection = amqp.Connection(f"127.0.0.1:{node.port}")
+    connection.connect()
+    channel = connection.channel()
+    channel.exchange_declare(queue, "direct", durable=True, auto_delete=False)
+    channel.queue_declare(queue, durable=True, auto_delete=False)
+    channel.queue_bind(queue, queue, routing_key=queue)
+    connection.close()
+    url = amqp_url(node.port, queue, declare="false")
+    source = open_source(url, consumer="c")
+    props = {"content_type": "application/x-python-serialize", "application_headers": celery_headers("p1")}
+    publish_raw(node.port, queue, [(b"\x80\x04N.", props)])
+    (lease,) = source.lease(1, 5.0)
+    assert lease.rejection is not None and lease.body == b""
+    source.dead_letter(lease, lease.rejection)
+    source.close()
+    assert [d.id for d in open_dead_letters(url).read()] == ["p1"] and queue_counts(node.port, queue) == 0
 
 
 @pytest.mark.timeout(90)

@@ -91,9 +91,8 @@ def test_sigkill_of_one_of_two_workers_loses_nothing(node, store, tiny_model_dir
     redelivered = [v for v in values if v["attempts"] > 1]
     assert redelivered and all(v["worker"] == "peer" for v in redelivered)
     assert queue_counts(node.port, queue) == 0  # every delivery acked, none left behind
-    log = (tmp_path / "peer.log").read_text()
-    # The redelivered copies ran once on the peer: nothing was skipped as already done.
-    assert "num_skipped_done=0" in log, log[-2000:]
+    # (A copy whose result the victim stored just before the kill, unacked, is acked by the peer
+    # without running: one stored result per task either way.)
 
 
 @pytest.mark.timeout(300)

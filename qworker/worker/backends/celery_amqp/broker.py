@@ -3,7 +3,8 @@ declarations, and the mapping of broker failures onto what the worker loop retri
 
 - Declaring: the job queue with `AmqpQueue.queue_arguments()` (durable), its direct exchange of
   the same name (as Celery declares it), and the dead-letter exchange and queue `{queue}.dead`.
-  With declare=false only a passive declare checks that the queue exists. A queue that exists
+  With declare=false a passive declare only checks that the job queue exists (the dead-letter
+  exchange and queue, qworker's own, are still declared). A queue that exists
   with other arguments is PRECONDITION_FAILED: raised as AmqpQueueMismatch, naming the arguments
   qworker wanted, since no retry can fix it.
 - Generations: a channel that closes (broker restart, connection reset, RabbitMQ's
@@ -78,12 +79,13 @@ class AmqpBroker:
 
         c = self.config
         try:
-            if not c.is_declared:
+            if c.is_declared:
+                channel.exchange_declare(c.queue, "direct", durable=True, auto_delete=False)
+                channel.queue_declare(c.queue, durable=True, auto_delete=False, arguments=c.queue_arguments())
+                channel.queue_bind(c.queue, c.queue, routing_key=c.queue)
+            else:
                 channel.queue_declare(c.queue, passive=True)
-                return
-            channel.exchange_declare(c.queue, "direct", durable=True, auto_delete=False)
-            channel.queue_declare(c.queue, durable=True, auto_delete=False, arguments=c.queue_arguments())
-            channel.queue_bind(c.queue, c.queue, routing_key=c.queue)
+            # qworker's own: declared either way, so that a dead letter always has somewhere to go.
             channel.exchange_declare(c.dead_letter, "direct", durable=True, auto_delete=False)
             channel.queue_declare(c.dead_letter, durable=True, auto_delete=False)
             channel.queue_bind(c.dead_letter, c.dead_letter, routing_key=c.dead_letter)
