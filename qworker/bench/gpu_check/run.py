@@ -15,6 +15,7 @@ from qworker.bench.gpu_check.cold_start import stage_cold_start
 from qworker.bench.gpu_check.consistency import stage_consistency
 from qworker.bench.gpu_check.e2e import stage_e2e
 from qworker.bench.gpu_check.env import stage_env
+from qworker.bench.gpu_check.invariance import stage_invariance
 from qworker.bench.gpu_check.kernel_bench import stage_bench
 from qworker.bench.gpu_check.kernels import stage_kernels
 from qworker.bench.gpu_check.parity import stage_parity
@@ -57,7 +58,7 @@ REGISTRY: list[Stage] = [
     Stage("e2e", lambda c: stage_e2e(c.sizes, c.report), 35, 120),
     Stage("serving", lambda c: stage_serving(c.sizes, c.report), 60, 180),
     Stage("cold_start", lambda c: stage_cold_start(c.sizes, c.report), 30, 120),
-    # The batch-invariant mode's stage (qworker/bench/gpu_check/invariance.py) registers here: 15 s.
+    Stage("invariance", lambda c: stage_invariance(c.sizes, c.report), 15, 60),
     Stage(
         "pytest",
         lambda c: {"skipped": "smoke mode"} if c.cpu_smoke else stage_pytest(c.report, c.repo),
