@@ -247,14 +247,14 @@ def test_the_queue_slot_moves_to_another_node_mid_run(url, cluster, worker, node
     assert_clean(node_client, worker)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_a_cluster_url_at_a_single_server_says_so():
     with pytest.raises(InvalidURLError, match="not a cluster") as info:
         open_sink("redis+cluster://127.0.0.1:6379/0?prefix=x")
     assert "\n" not in str(info.value) and "use redis://" in str(info.value)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_an_old_layout_stream_on_the_cluster_says_what_to_do(cluster, node_client):
     name = f"qwc:old:{uuid.uuid4().hex[:6]}"
     node_client.xadd(name, {"id": "j", "job": "{}"})
@@ -265,3 +265,29 @@ def test_an_old_layout_stream_on_the_cluster_says_what_to_do(cluster, node_clien
         assert "\n" not in message and "{" + name + "}" in message and "drain it" in message
     finally:
         node_client.delete(name)
+
+
+# The module's fixtures start (and, as the last test, stop) within a test's timeout.
+@pytest.mark.timeout(180)
+def test_the_pool_demand_exporter_reads_a_queue_and_the_worker_reports_on_the_cluster(cluster, worker):
+    """A queue no worker serves: its waiting jobs are read from its slot, and the live worker's
+    stats report (in its own slot) is found by the SCAN over every node."""
+    from qworker.worker.demand import PoolSizing
+    from qworker.worker.exporter import open_pool_demand_reader
+
+    idle = f"{cluster.url}?stream=qwc:idle:{uuid.uuid4().hex[:6]}&group=g&prefix={PREFIX}"
+    client = Client(queue=idle)
+    client.submit_many([job(8) for _ in range(5)])
+    reader = open_pool_demand_reader(idle, PoolSizing())
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            demand = reader.read()
+            if reader.num_workers or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert demand.waiting.num_jobs == 5
+        assert reader.num_workers == 1 and reader.reported_capacity_blocks
+    finally:
+        reader.close()
+        client.close()

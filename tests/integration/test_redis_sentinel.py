@@ -101,7 +101,8 @@ def test_a_failover_mid_run_loses_no_job(sentinels, tiny_model_dir, tmp_path):
             worker.wait()
 
 
-@pytest.mark.timeout(30)
+# The module's fixture may start within this test's timeout (run alone).
+@pytest.mark.timeout(90)
 def test_an_unknown_service_name_says_so(sentinels):
     url = sentinels.url.replace(f"/{sentinels.service}/", "/no-such-service/")
     with pytest.raises(InvalidURLError, match="monitor no service 'no-such-service'") as info:
