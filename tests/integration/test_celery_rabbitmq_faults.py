@@ -70,13 +70,15 @@ def test_sigkill_of_one_of_two_workers_loses_nothing(node, store, tiny_model_dir
     app = celery_app(node.url, [task_queue(queue)])
     url = amqp_url(node.port, queue)
     args = ("--results", RESULTS, "--num-kv-blocks", "256", "--max-backlog", "4")
+    # Both ready before the tasks go out, so that the kill comes while the victim holds some.
     victim = spawn_worker(url, tiny_model_dir, "victim", *args, log_path=tmp_path / "victim.log")
     peer = None
-    sent = [app.send_task(TASK, kwargs=job(100, first=10 + i), queue=queue) for i in range(30)]
+    sent = []
     try:
-        # The victim holds what admission let it take (at most max_backlog waiting, plus running).
-        wait_for(lambda: queue_counts(node.port, queue) <= 30 - 4, 60, "the victim to take tasks")
         peer = spawn_worker(url, tiny_model_dir, "peer", *args, log_path=tmp_path / "peer.log")
+        sent = [app.send_task(TASK, kwargs=job(100, first=10 + i), queue=queue) for i in range(30)]
+        # Each holds what admission let it take (at most max_backlog waiting, plus running).
+        wait_for(lambda: queue_counts(node.port, queue) <= 30 - 8, 60, "both workers to take tasks")
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
         values = [r.get(timeout=180) for r in sent]
