@@ -65,13 +65,24 @@ def test_a_failover_mid_run_loses_no_job(sentinels, tiny_model_dir, tmp_path):
     log_path = tmp_path / "worker.log"
     worker = spawn_worker(url, tiny_model_dir, "sw1", "--log-level", "INFO", log_path=log_path)
     client = Client(queue=url)
+    job = {"prompt_token_ids": [1, 520, 3000, 17], "params": {"max_tokens": 24, "ignore_eos": True}}
     try:
-        ids = client.submit_many(
-            [{"prompt_token_ids": [1, 520, 3000, 17], "params": {"max_tokens": 24, "ignore_eos": True}}] * 200
-        )
+        # Half before the failover, half sent across it (however fast the first half runs, the
+        # run spans the failover).
+        ids = client.submit_many([job] * 100)
         old_port = sentinels.primary.port
         wait_for(lambda: num_results(old_port, name) >= 40, 120, "40 results before the failover")
         sentinels.primary.kill()
+        for _ in range(10):
+            batch = [{**job, "id": uuid.uuid4().hex} for _ in range(10)]
+            while True:
+                try:
+                    # A retry after a lost reply may enqueue a job twice: same id, one result.
+                    client.submit_many(batch)
+                    break
+                except redis_lib.RedisError:
+                    time.sleep(0.2)
+            ids += [j["id"] for j in batch]
         wait_for(lambda: sentinels.primary_port() != old_port, 60, "the sentinels to promote the replica")
         new_port = sentinels.primary_port()
         assert new_port == sentinels.replica.port
