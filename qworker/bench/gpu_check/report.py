@@ -25,6 +25,8 @@ class StageTimeout(Exception):
 
 # A stage's own runs aim to end this long before its limit; the watchdog fires at the limit.
 STAGE_MARGIN_S = 3.0
+# The watchdog waits this long again when it fires during a CUDA-graph capture.
+CAPTURE_RETRY_S = 0.2
 
 
 class Report:
@@ -111,6 +113,12 @@ def _watchdog(seconds: float) -> Iterator[None]:
         return
 
     def fire(signum: int, frame: Any) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # An exception inside a CUDA-graph capture would leave the device unusable for the
+            # stages after this one: try again when the capture (a fraction of a second) is over.
+            signal.setitimer(signal.ITIMER_REAL, CAPTURE_RETRY_S)
+            return
         raise StageTimeout
 
     previous = signal.signal(signal.SIGALRM, fire)
