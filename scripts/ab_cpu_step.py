@@ -62,13 +62,15 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="per engine (default: the engine's)")
     args = parser.parse_args()
     switches = [s for s in args.a.split(",") if s]
     assert all(s in SWITCHES for s in switches), f"--a takes {SWITCHES}"
 
     spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
     requests = requests_for_model(spec, "smollm2")
-    engines = {name: LLMEngine(EngineConfig(dtype=args.dtype, device="cpu")) for name in ("A", "B")}
+    config = EngineConfig(dtype=args.dtype, device="cpu", num_kv_blocks=args.num_kv_blocks)
+    engines = {name: LLMEngine(config) for name in ("A", "B")}
     switch_off(engines["A"], switches)
     for engine in engines.values():
         engine.add_request("warmup", {"prompt_token_ids": [33] * 64}, sampling_params_for(requests[0]))

@@ -35,6 +35,7 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._decode_kernel = _load_cpu_decode_kernel()
         self._prefill_kernel = _load_cpu_prefill_kernel()
+        self._kv_writer = _load_cpu_kv_writer()
 
     def forward(
         self,
@@ -49,7 +50,15 @@ class TorchAttentionBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        head_dim = k_cache.shape[-1]
+        if (
+            self._kv_writer is not None
+            and q.device.type == "cpu"
+            and k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
+        ):
+            self._kv_writer(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
         num_decodes = meta.num_decode_seqs
         num_seqs = len(meta.seq_lens_list)
         is_decode_kernel = self._decode_kernel is not None and q.device.type == "cpu"
@@ -279,6 +288,16 @@ def _load_cpu_decode_kernel():  # type: ignore[no-untyped-def]
     if not cpu_paged_attention.is_available():
         return None
     return cpu_paged_attention.paged_decode_attention
+
+
+def _load_cpu_kv_writer():  # type: ignore[no-untyped-def]
+    # The C kernel's one memcpy per row (cpu_paged_attention.write_kv_cache) for index_copy_.
+    decode_kernel = _load_cpu_decode_kernel()
+    if decode_kernel is None:
+        return None
+    from qworker_kernels import cpu_paged_attention
+
+    return cpu_paged_attention.write_kv_cache
 
 
 def _load_cpu_prefill_kernel():  # type: ignore[no-untyped-def]
