@@ -97,12 +97,18 @@ def test_kernel_compiles_for_sm90(compile_for_sm90) -> None:
         "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
         "slot_mapping_ptr": "*i64",
     }  # fmt: skip
-    [result] = compile_for_sm90(
+    shape = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128)
+    results = compile_for_sm90(
         "triton_kv_cache",
-        [dict(kernel="_write_kv_cache_kernel", pointer_types=pointers,
-              constexprs=dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128))],
+        [dict(kernel="_write_kv_cache_kernel", pointer_types=pointers, constexprs=shape),
+         # the token_kv variant at the 1B model's layer shape, with the warps it launches with
+         dict(kernel="_write_kv_cache_split_kernel", pointer_types=pointers,
+              constexprs=dict(NUM_KV_HEADS=8, HEAD_DIM=64, HEADS_PAD=8, HEAD_DIM_PAD=64),
+              num_warps=kv.kv_write_num_warps(8, 64))],
     )  # fmt: skip
-    assert result["stack_bytes"] in (None, 0), result
+    assert len(results) == 2
+    for result in results:
+        assert result["stack_bytes"] in (None, 0), result
 
 
 def test_write_kv_cache_variant_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
