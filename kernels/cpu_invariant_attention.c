@@ -84,12 +84,13 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         const int64_t run = w / num_kv_heads, kvh = w % num_kv_heads;
         const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
         const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
-        float qf[QW_MAX_ROWS][QW_MAX_D];
+        float qf[QW_MAX_ROWS + 1][QW_MAX_D];  // row QW_MAX_ROWS: zeros, the padding row
         v16f acc[QW_MAX_ROWS][QW_MAX_D / 16];
         float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
         int64_t first_key[QW_MAX_ROWS];
         float kt[QW_MAX_D][QW_KT];  // the tile's keys, transposed: kt[d][j] = key j, element d
-        const void *vrow[QW_KT];
+        v16f vt[QW_KT][QW_MAX_D / 16];  // the tile's values in fp32, converted once per tile
+        memset(qf[QW_MAX_ROWS], 0, sizeof qf[QW_MAX_ROWS]);
         for (int64_t i = 0; i < nt; i++) {
             const int64_t pos = token_pos[t0 + i];
             first_key[i] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
@@ -111,7 +112,6 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             for (int64_t j = 0; j < QW_KT; j++) {
                 if (j < any_lo || j >= any_hi) {
                     for (int64_t d = 0; d < head_dim; d++) kt[d][j] = 0.0f;
-                    vrow[j] = NULL;
                     continue;
                 }
                 const int64_t p = tile0 + j;
@@ -121,33 +121,51 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                     const v16f kv = load16(krow + c * 16 * elem, is_bf16);
                     for (int i = 0; i < 16; i++) kt[c * 16 + i][j] = kv[i];
                 }
-                vrow[j] = (const char *)v_cache + (slot * row_elems + kvh * head_dim) * elem;
+                const char *vrow = (const char *)v_cache + (slot * row_elems + kvh * head_dim) * elem;
+                for (int64_t c = 0; c < dv; c++) vt[j][c] = load16(vrow + c * 16 * elem, is_bf16);
             }
+            // The rows that read this tile, then their scores four rows at a time (four
+            // independent FMA chains; a missing fourth row is the zero row QW_MAX_ROWS), one
+            // code path for every row, so a row's score never depends on its neighbours.
+            int64_t active[QW_MAX_ROWS + 3];
+            int64_t num_active = 0;
             for (int64_t i = 0; i < nt; i++) {
                 const int64_t pos = token_pos[t0 + i], start = first_key[i];
                 if (tile0 > pos || tile0 + QW_KT <= start) continue;  // not one of this token's tiles
-                const int64_t lo = start > tile0 ? start - tile0 : 0;                  // first valid lane
-                const int64_t hi = pos - tile0 + 1 < QW_KT ? pos - tile0 + 1 : QW_KT;  // one past the last
-                v16i valid;
-                for (int j = 0; j < QW_KT; j++) valid[j] = (j >= lo && j < hi) ? -1 : 0;
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t r = i * group + g;
-                    v16f s = splat16(0.0f);
-                    for (int64_t d = 0; d < head_dim; d++) s = s + splat16(qf[r][d]) * loadu16(kt[d]);
-                    s = s * splat16(scale);
-                    if (has_soft_cap) s = vsoft_cap16(s, soft_cap);
-                    s = (v16f)(((v16i)s & valid) | ((v16i)splat16(-INFINITY) & ~valid));
-                    const float tile_max = hmax16(s);
+                for (int64_t g = 0; g < group; g++) active[num_active++] = i * group + g;
+            }
+            for (int64_t a = num_active; a < num_active + 3; a++) active[a] = QW_MAX_ROWS;
+            for (int64_t a = 0; a < num_active; a += 4) {
+                v16f s4[4] = {splat16(0.0f), splat16(0.0f), splat16(0.0f), splat16(0.0f)};
+                const float *q0 = qf[active[a]], *q1 = qf[active[a + 1]], *q2 = qf[active[a + 2]],
+                            *q3 = qf[active[a + 3]];
+                for (int64_t d = 0; d < head_dim; d++) {
+                    const v16f kd = loadu16(kt[d]);
+                    s4[0] = s4[0] + splat16(q0[d]) * kd;
+                    s4[1] = s4[1] + splat16(q1[d]) * kd;
+                    s4[2] = s4[2] + splat16(q2[d]) * kd;
+                    s4[3] = s4[3] + splat16(q3[d]) * kd;
+                }
+                for (int u = 0; u < 4 && a + u < num_active; u++) {
+                    const int64_t r = active[a + u], i = r / group;
+                    const int64_t pos = token_pos[t0 + i], start = first_key[i];
+                    const int64_t lo = start > tile0 ? start - tile0 : 0;                  // first valid lane
+                    const int64_t hi = pos - tile0 + 1 < QW_KT ? pos - tile0 + 1 : QW_KT;  // one past the last
+                    v16i valid;
+                    for (int j = 0; j < QW_KT; j++) valid[j] = (j >= lo && j < hi) ? -1 : 0;
+                    v16f sc = s4[u] * splat16(scale);
+                    if (has_soft_cap) sc = vsoft_cap16(sc, soft_cap);
+                    sc = (v16f)(((v16i)sc & valid) | ((v16i)splat16(-INFINITY) & ~valid));
+                    const float tile_max = hmax16(sc);
                     const float m_new = m[r] > tile_max ? m[r] : tile_max;
                     const float alpha = expf(m[r] - m_new);  // 0 at the first tile (m = -inf)
-                    const v16f p = vexp_nonpos16(s - splat16(m_new));
+                    const v16f p = vexp_nonpos16(sc - splat16(m_new));
                     l[r] = l[r] * alpha + hsum16(p);
                     const v16f va = splat16(alpha);
                     for (int64_t c = 0; c < dv; c++) acc[r][c] = acc[r][c] * va;
                     for (int64_t j = lo; j < hi; j++) {
                         const v16f pj = splat16(p[j]);
-                        for (int64_t c = 0; c < dv; c++)
-                            acc[r][c] = acc[r][c] + pj * load16((const char *)vrow[j] + c * 16 * elem, is_bf16);
+                        for (int64_t c = 0; c < dv; c++) acc[r][c] = acc[r][c] + pj * vt[j][c];
                     }
                     m[r] = m_new;
                 }

@@ -94,3 +94,42 @@ def test_token_positions() -> None:
     seq, pos = cpu_invariant_attention.token_positions(seq_lens, query_start_loc)
     assert seq.tolist() == [0, 1, 1, 1, 2, 2, 2]
     assert pos.tolist() == [4, 6, 7, 8, 0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (37, 30.0)])
+def test_prefill_kernel_token_is_the_same_in_any_chunk(
+    dtype: torch.dtype, window: int | None, cap: float | None
+) -> None:
+    """What the batch-invariant backend relies on when it runs decodes as one-token chunks of the
+    CPU prefill kernel: a token's bits do not depend on its chunk or on the sequences beside it."""
+    from qworker_kernels import cpu_prefill_attention
+
+    if not cpu_prefill_attention.is_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = _cache(dtype, 32, gen)
+    order = torch.randperm(32, generator=gen)
+    tables = torch.stack([order[16:], order[:16]]).to(torch.int32)  # sequence 1 is ours
+    length = 150
+    q = torch.randn(length, 9, 64, generator=gen).to(dtype)
+    extras = {"sliding_window": window, "logits_soft_cap": cap}
+
+    def run(chunk: int, other: int) -> torch.Tensor:
+        """Our sequence in chunks of `chunk`, each beside `other` tokens of sequence 0."""
+        out = torch.empty_like(q)
+        for start in range(0, length, chunk):
+            stop = min(start + chunk, length)
+            step_q = torch.cat([torch.randn(other, 9, 64, generator=gen).to(dtype), q[start:stop]])
+            lens = torch.tensor([100, stop], dtype=torch.int32)
+            starts = torch.tensor([0, other, other + stop - start], dtype=torch.int32)
+            step_out = torch.empty_like(step_q)
+            cpu_prefill_attention.paged_prefill_attention(
+                step_q, k_cache, v_cache, tables, lens, starts, 0, 2, 0.125, step_out, **extras
+            )
+            out[start:stop] = step_out[other:]
+        return out
+
+    whole = run(length, 1)
+    for chunk, other in ((1, 1), (1, 5), (7, 3), (64, 1)):
+        assert torch.equal(run(chunk, other), whole), f"chunks of {chunk} beside {other} tokens differ"
