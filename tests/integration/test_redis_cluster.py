@@ -267,6 +267,23 @@ def test_an_old_layout_stream_on_the_cluster_says_what_to_do(cluster, node_clien
         node_client.delete(name)
 
 
+@pytest.mark.timeout(120)
+def test_a_batch_runs_record_of_submitted_jobs_lives_on_the_cluster(url, tmp_path):
+    """`qworker batch --queue` keeps the ids it enqueued in the result store (one set), so that a
+    rerun enqueues nothing twice: on a cluster too."""
+    from qworker.batch.submitted import RedisSubmitted, open_submitted
+
+    batch_id = uuid.uuid4().hex[:8]
+    sink = open_sink(url)
+    record = open_submitted(sink, batch_id, tmp_path / "journal")
+    assert isinstance(record, RedisSubmitted)
+    record.add(["a", "b{c}", "d"])
+    again = open_submitted(open_sink(url), batch_id, tmp_path / "journal")
+    assert {"a", "b{c}", "d"} <= again.ids and "e" not in again
+    again.clear()
+    sink.close()
+
+
 # The module's fixtures start (and, as the last test, stop) within a test's timeout.
 @pytest.mark.timeout(180)
 def test_the_pool_demand_exporter_reads_a_queue_and_the_worker_reports_on_the_cluster(cluster, worker):
