@@ -1,12 +1,12 @@
 """Prefix caching changes no token: the real SmolLM2-135M-Instruct in float32, the cache on against
 the cache off.
 
-For each configuration of the greedy parity tests (defaults, a token budget of 8, a pool small
-enough to preempt, block sizes 1, 16 and 32, requests joining mid-decode) an engine with the cache
-off runs the 12 parity prompts once, and an engine with it on runs them twice: the second round
-finds every prompt cached up to its last block. All three must agree token for token. Then prompts
-built to share a prefix with an earlier one exactly up to a block boundary, one token past it, one
-token short of it, and in full; and a seeded sampled request, cached or not.
+For configurations of the greedy parity tests (defaults, a token budget of 8, a pool small enough
+to preempt, requests joining mid-decode) an engine with the cache off runs the 12 parity prompts
+once, and an engine with it on runs them twice: the second round finds every prompt cached up to
+its last block. All three must agree token for token. Then prompts built to share a prefix with an
+earlier one exactly up to a block boundary, one token past it, one token short of it, and in full,
+at block sizes 1, 16 and 32; and a seeded sampled request, cached or not.
 """
 
 from __future__ import annotations
@@ -56,14 +56,15 @@ def expected(prompt_ids) -> list[list[int]]:
     return generate(make_llm(enable_prefix_caching=False), prompt_ids)
 
 
+# Block sizes 1 and 32 are not repeated here: the boundary test below runs both (and 16) on this
+# model, cache on against off with exact hit counts, and the tiny engine's cache on/off test in
+# tests/unit/test_prefix_caching.py runs them too, one by one and all at once.
 CONFIGS = [
     {},  # block size 16
     {"max_num_batched_tokens": 8},
     # 80 blocks of 16 = 1,280 slots: the longest request alone needs 70 of them. (With 90, the
     # prompts admitted together share their chat template's blocks and nothing is preempted.)
     {"num_kv_blocks": 80},
-    {"block_size": 1, "num_kv_blocks": 6400},
-    {"block_size": 32, "num_kv_blocks": 200},
 ]
 
 
@@ -71,6 +72,14 @@ CONFIGS = [
     "engine_args", CONFIGS, ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default"
 )
 def test_parity_prompts_twice_with_the_cache_equal_once_without(prompt_ids, expected, engine_args):
+    keep = range(len(prompt_ids))
+    if engine_args.get("max_num_batched_tokens") == 8:
+        # The prompt of over 1,000 tokens alone is some 130 steps of 8 a round; the other 11 (up
+        # to over 400 tokens, many blocks each) take the same chunked path through the cache.
+        longest = max(keep, key=lambda i: len(prompt_ids[i]))
+        keep = [i for i in keep if i != longest]
+    prompt_ids = [prompt_ids[i] for i in keep]
+    expected = [expected[i] for i in keep]
     llm = make_llm(**engine_args)
     engine = llm.llm_engine
     assert generate(llm, prompt_ids) == expected
