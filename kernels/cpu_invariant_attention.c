@@ -85,7 +85,7 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
         const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
         float qf[QW_MAX_ROWS + 1][QW_MAX_D];  // row QW_MAX_ROWS: zeros, the padding row
-        v16f acc[QW_MAX_ROWS][QW_MAX_D / 16];
+        v16f acc[QW_MAX_ROWS + 1][QW_MAX_D / 16];  // row QW_MAX_ROWS: the padding row's
         float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
         int64_t first_key[QW_MAX_ROWS];
         float kt[QW_MAX_D][QW_KT];  // the tile's keys, transposed: kt[d][j] = key j, element d
@@ -112,6 +112,7 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             for (int64_t j = 0; j < QW_KT; j++) {
                 if (j < any_lo || j >= any_hi) {
                     for (int64_t d = 0; d < head_dim; d++) kt[d][j] = 0.0f;
+                    for (int64_t c = 0; c < dv; c++) vt[j][c] = splat16(0.0f);
                     continue;
                 }
                 const int64_t p = tile0 + j;
@@ -146,8 +147,16 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                     s4[2] = s4[2] + splat16(q2[d]) * kd;
                     s4[3] = s4[3] + splat16(q3[d]) * kd;
                 }
-                for (int u = 0; u < 4 && a + u < num_active; u++) {
-                    const int64_t r = active[a + u], i = r / group;
+                // Softmax update per row; the padding row's weights are 0 and its accumulator
+                // (row QW_MAX_ROWS) is never read.
+                v16f p4[4];
+                for (int u = 0; u < 4; u++) {
+                    const int64_t r = active[a + u];
+                    if (r == QW_MAX_ROWS) {
+                        p4[u] = splat16(0.0f);
+                        continue;
+                    }
+                    const int64_t i = r / group;
                     const int64_t pos = token_pos[t0 + i], start = first_key[i];
                     const int64_t lo = start > tile0 ? start - tile0 : 0;                  // first valid lane
                     const int64_t hi = pos - tile0 + 1 < QW_KT ? pos - tile0 + 1 : QW_KT;  // one past the last
@@ -159,15 +168,26 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                     const float tile_max = hmax16(sc);
                     const float m_new = m[r] > tile_max ? m[r] : tile_max;
                     const float alpha = expf(m[r] - m_new);  // 0 at the first tile (m = -inf)
-                    const v16f p = vexp_nonpos16(sc - splat16(m_new));
-                    l[r] = l[r] * alpha + hsum16(p);
+                    p4[u] = vexp_nonpos16(sc - splat16(m_new));  // exactly 0 on invalid lanes
+                    l[r] = l[r] * alpha + hsum16(p4[u]);
                     const v16f va = splat16(alpha);
                     for (int64_t c = 0; c < dv; c++) acc[r][c] = acc[r][c] * va;
-                    for (int64_t j = lo; j < hi; j++) {
-                        const v16f pj = splat16(p[j]);
-                        for (int64_t c = 0; c < dv; c++) acc[r][c] = acc[r][c] + pj * vt[j][c];
-                    }
                     m[r] = m_new;
+                }
+                // P.V over all 16 keys in position order, four rows at once. An invalid lane adds
+                // p * v = 0 exactly to an accumulator that is never -0, so it changes no bit:
+                // a row's sum is the same whatever rows share its group.
+                const int64_t r0 = active[a], r1 = active[a + 1], r2 = active[a + 2], r3 = active[a + 3];
+                for (int64_t j = 0; j < QW_KT; j++) {
+                    const v16f w0 = splat16(p4[0][j]), w1 = splat16(p4[1][j]), w2 = splat16(p4[2][j]),
+                               w3 = splat16(p4[3][j]);
+                    for (int64_t c = 0; c < dv; c++) {
+                        const v16f vj = vt[j][c];
+                        acc[r0][c] = acc[r0][c] + w0 * vj;
+                        acc[r1][c] = acc[r1][c] + w1 * vj;
+                        acc[r2][c] = acc[r2][c] + w2 * vj;
+                        acc[r3][c] = acc[r3][c] + w3 * vj;
+                    }
                 }
             }
         }

@@ -28,6 +28,7 @@
 #define QW_NB 16      // columns per packed block (one AVX-512 register of fp32)
 #define QW_MR 8       // rows per register tile (16 accumulators + 2 weights + 1 broadcast of 32 zmm)
 #define QW_NR_BLK 2   // packed blocks per register tile (32 columns)
+#define QW_MC_TILES 16  // row tiles per cache chunk (128 rows)
 
 static int64_t cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -228,22 +229,27 @@ int qw_inv_gemm(const void *x, int64_t ldx, const void *packed, const float *bia
                 int64_t m, int64_t n, int64_t k, int is_bf16, int num_threads) {
     const int64_t nb = cdiv64(n, QW_NB);
     const int64_t col_tiles = cdiv64(nb, QW_NR_BLK), row_tiles = cdiv64(m, QW_MR);
-    const int64_t tiles = col_tiles * row_tiles;
+    // Rows in chunks of QW_MC_TILES row tiles (128 rows: their x stays in L2) and, within a chunk,
+    // every column tile over the chunk's rows (one tile's weights, 32 columns x K, stay in L1).
+    const int64_t chunks = cdiv64(row_tiles, QW_MC_TILES);
+    const int64_t work = chunks * col_tiles;
     (void)num_threads;
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && tiles > 1) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        // Column tile outer: a thread keeps one tile's weights (32 columns x K) hot over the rows.
-        const int64_t ct = t / row_tiles, rt = t % row_tiles;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && work > 1) schedule(static)
+    for (int64_t w = 0; w < work; w++) {
+        const int64_t chunk = w / col_tiles, ct = w % col_tiles;
         const int64_t blk = ct * QW_NR_BLK;
         const int64_t nblk = nb - blk < QW_NR_BLK ? nb - blk : QW_NR_BLK;
-        const int64_t row0 = rt * QW_MR;
-        const int64_t mr = m - row0 < QW_MR ? m - row0 : QW_MR;
-        if (is_bf16) {
-            TILES_BF16[mr - 1][nblk - 1]((const uint16_t *)x + row0 * ldx, ldx, (const uint16_t *)packed, blk, k,
-                                         bias, (uint16_t *)out + row0 * ldo, ldo, n);
-        } else {
-            TILES_F32[mr - 1][nblk - 1]((const float *)x + row0 * ldx, ldx, (const float *)packed, blk, k, bias,
-                                        (float *)out + row0 * ldo, ldo, n);
+        const int64_t rt_end = (chunk + 1) * QW_MC_TILES < row_tiles ? (chunk + 1) * QW_MC_TILES : row_tiles;
+        for (int64_t rt = chunk * QW_MC_TILES; rt < rt_end; rt++) {
+            const int64_t row0 = rt * QW_MR;
+            const int64_t mr = m - row0 < QW_MR ? m - row0 : QW_MR;
+            if (is_bf16) {
+                TILES_BF16[mr - 1][nblk - 1]((const uint16_t *)x + row0 * ldx, ldx, (const uint16_t *)packed, blk,
+                                             k, bias, (uint16_t *)out + row0 * ldo, ldo, n);
+            } else {
+                TILES_F32[mr - 1][nblk - 1]((const float *)x + row0 * ldx, ldx, (const float *)packed, blk, k,
+                                            bias, (float *)out + row0 * ldo, ldo, n);
+            }
         }
     }
     return 0;
