@@ -84,20 +84,20 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         const int64_t run = w / num_kv_heads, kvh = w % num_kv_heads;
         const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
         const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
-        float qf[QW_MAX_ROWS + 1][QW_MAX_D];  // row QW_MAX_ROWS: zeros, the padding row
+        v16f qv[QW_MAX_ROWS + 1][QW_MAX_D / 16];  // row QW_MAX_ROWS: zeros, the padding row
         v16f acc[QW_MAX_ROWS + 1][QW_MAX_D / 16];  // row QW_MAX_ROWS: the padding row's
         float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
         int64_t first_key[QW_MAX_ROWS];
-        float kt[QW_MAX_D][QW_KT];  // the tile's keys, transposed: kt[d][j] = key j, element d
+        v16f kf[QW_KT][QW_MAX_D / 16];  // the tile's keys in fp32, converted once per tile
         v16f vt[QW_KT][QW_MAX_D / 16];  // the tile's values in fp32, converted once per tile
-        memset(qf[QW_MAX_ROWS], 0, sizeof qf[QW_MAX_ROWS]);
+        for (int64_t c = 0; c < dv; c++) qv[QW_MAX_ROWS][c] = splat16(0.0f);
         for (int64_t i = 0; i < nt; i++) {
             const int64_t pos = token_pos[t0 + i];
             first_key[i] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
             for (int64_t g = 0; g < group; g++) {
                 const int64_t r = i * group + g, h = kvh * group + g;
                 const char *qh = (const char *)q + ((t0 + i) * q_stride + h * head_dim) * elem;
-                for (int64_t d = 0; d < head_dim; d++) qf[r][d] = load1(qh, d, is_bf16);
+                for (int64_t c = 0; c < dv; c++) qv[r][c] = load16(qh + c * 16 * elem, is_bf16);
                 for (int64_t c = 0; c < dv; c++) acc[r][c] = splat16(0.0f);
                 m[r] = -INFINITY;
                 l[r] = 0.0f;
@@ -111,17 +111,13 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             const int64_t any_hi = last_pos - tile0 + 1 < QW_KT ? last_pos - tile0 + 1 : QW_KT;
             for (int64_t j = 0; j < QW_KT; j++) {
                 if (j < any_lo || j >= any_hi) {
-                    for (int64_t d = 0; d < head_dim; d++) kt[d][j] = 0.0f;
-                    for (int64_t c = 0; c < dv; c++) vt[j][c] = splat16(0.0f);
+                    for (int64_t c = 0; c < dv; c++) kf[j][c] = vt[j][c] = splat16(0.0f);
                     continue;
                 }
                 const int64_t p = tile0 + j;
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
                 const char *krow = (const char *)k_cache + (slot * row_elems + kvh * head_dim) * elem;
-                for (int64_t c = 0; c < dv; c++) {
-                    const v16f kv = load16(krow + c * 16 * elem, is_bf16);
-                    for (int i = 0; i < 16; i++) kt[c * 16 + i][j] = kv[i];
-                }
+                for (int64_t c = 0; c < dv; c++) kf[j][c] = load16(krow + c * 16 * elem, is_bf16);
                 const char *vrow = (const char *)v_cache + (slot * row_elems + kvh * head_dim) * elem;
                 for (int64_t c = 0; c < dv; c++) vt[j][c] = load16(vrow + c * 16 * elem, is_bf16);
             }
@@ -137,15 +133,24 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             }
             for (int64_t a = num_active; a < num_active + 3; a++) active[a] = QW_MAX_ROWS;
             for (int64_t a = 0; a < num_active; a += 4) {
-                v16f s4[4] = {splat16(0.0f), splat16(0.0f), splat16(0.0f), splat16(0.0f)};
-                const float *q0 = qf[active[a]], *q1 = qf[active[a + 1]], *q2 = qf[active[a + 2]],
-                            *q3 = qf[active[a + 3]];
-                for (int64_t d = 0; d < head_dim; d++) {
-                    const v16f kd = loadu16(kt[d]);
-                    s4[0] = s4[0] + splat16(q0[d]) * kd;
-                    s4[1] = s4[1] + splat16(q1[d]) * kd;
-                    s4[2] = s4[2] + splat16(q2[d]) * kd;
-                    s4[3] = s4[3] + splat16(q3[d]) * kd;
+                // Score of key j: the 16-lane products of the head_dim / 16 chunks added in chunk
+                // order, then hsum16's fixed halving. One key row feeds four query rows.
+                v16f s4[4];
+                const v16f *q0 = qv[active[a]], *q1 = qv[active[a + 1]], *q2 = qv[active[a + 2]],
+                           *q3 = qv[active[a + 3]];
+                for (int64_t j = 0; j < QW_KT; j++) {
+                    v16f t0 = q0[0] * kf[j][0], t1 = q1[0] * kf[j][0], t2 = q2[0] * kf[j][0],
+                         t3 = q3[0] * kf[j][0];
+                    for (int64_t c = 1; c < dv; c++) {
+                        t0 = t0 + q0[c] * kf[j][c];
+                        t1 = t1 + q1[c] * kf[j][c];
+                        t2 = t2 + q2[c] * kf[j][c];
+                        t3 = t3 + q3[c] * kf[j][c];
+                    }
+                    s4[0][j] = hsum16(t0);
+                    s4[1][j] = hsum16(t1);
+                    s4[2][j] = hsum16(t2);
+                    s4[3][j] = hsum16(t3);
                 }
                 // Softmax update per row; the padding row's weights are 0 and its accumulator
                 // (row QW_MAX_ROWS) is never read.
