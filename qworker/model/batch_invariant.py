@@ -57,7 +57,7 @@ class InvariantAttentionBackend:
     kernel (also chunk-invariant in practice: its key blocks start at position 0): that kernel
     converts a sequence's whole context to fp32 per call, which a decode step cannot amortize;
     16 prompts of 20-400 tokens, 32 greedy tokens, SmolLM2 bf16, one thread: 8.1-9.6 s with this
-    kernel against 11.0-11.2 s (7.1 s with the mode off), same run."""
+    kernel (before its per-key-dot speed-up) against 11.0-11.2 s (7.1 s with the mode off)."""
 
     name = "torch"  # the model's elementwise ops stay the CPU ones (see select_model_ops)
     supports_cuda_graphs = False
