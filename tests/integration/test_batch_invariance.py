@@ -140,7 +140,8 @@ def run_matrix(
             first[i] = result
         for i, result in zip(group, run_together(llm, [prompts[i] for i in group]), strict=True):
             second[i] = result
-        assert engine.kv_stats().num_prefix_cache_hits > hits, f"no cache hit for prompts {group}"
+        if any(len(prompts[i]) > engine.config.block_size for i in group):  # else no full block to hit
+            assert engine.kv_stats().num_prefix_cache_hits > hits, f"no cache hit for prompts {group}"
     runs["cache-first"], runs["cache-second"] = first, second
     return runs
 
