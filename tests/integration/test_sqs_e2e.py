@@ -78,9 +78,15 @@ def test_sigkill_on_sqs_loses_nothing_one_object_per_job(sqs_s3, tiny_model_dir,
     env = sqs_s3(VisibilityTimeout="3")
     client = Client(queue=env.queue_url, results=env.results_url)
     num_jobs = 24
+    # The first two jobs are short, so that the victim has finished some (the kill's condition)
+    # after a few steps and not after a long job's 150: the victim's run before the kill is
+    # start-up plus those steps. The long ones are still held, mid-generation, when it is killed.
     job_ids = client.submit_many(
         [
-            {"prompt_token_ids": [10 + i, 11, 12], "params": {"max_tokens": 150 + i % 7, "ignore_eos": True}}
+            {
+                "prompt_token_ids": [10 + i, 11, 12],
+                "params": {"max_tokens": 8 if i < 2 else 150 + i % 7, "ignore_eos": True},
+            }
             for i in range(num_jobs)
         ]
     )
