@@ -77,9 +77,10 @@ def test_text_streamed_across_a_rerun_equals_the_result(url, tiny_model_dir, tmp
         # peer's, as between any two workers, and only the job's own seed makes the rerun agree.
         other = client.submit({"prompt_token_ids": [5, 6], "params": {"max_tokens": 5, "ignore_eos": True}})
         assert client.result(other, timeout=60).status is JobStatus.COMPLETED
-        # Sampled (temperature 1) without a seed, and long enough to be stopped mid-generation.
+        # Sampled (temperature 1) without a seed, and long enough to be stopped mid-generation:
+        # it is stopped once 30 deltas are streamed, and the peer reruns all 400 tokens.
         job_id = client.submit(
-            {"prompt_token_ids": [1, 520, 3000, 17], "params": {"max_tokens": 900, "ignore_eos": True}}
+            {"prompt_token_ids": [1, 520, 3000, 17], "params": {"max_tokens": 400, "ignore_eos": True}}
         )
         deltas_key = constants.delta_stream_key(params["prefix"], job_id)
         reader = Reader(url, job_id)
@@ -103,7 +104,7 @@ def test_text_streamed_across_a_rerun_equals_the_result(url, tiny_model_dir, tmp
         if peer is not None:
             assert peer.wait(timeout=60) == 0
     assert (result.status, result.attempts, result.worker) == (JobStatus.COMPLETED, 2, "peer")
-    assert len(result.token_ids) == 900
+    assert len(result.token_ids) == 400
     assert reader.error is None, repr(reader.error)
     assert reader.text == result.text
     assert reader.text.startswith(seen_before_rerun) and len(seen_before_rerun) < len(result.text)
