@@ -110,7 +110,8 @@ def test_c_preemption(prompt_ids, expected):
     assert got == expected
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+# 16 is the default block size, and 6400 // 16 is test_a's 400 blocks: test_a is that case.
+@pytest.mark.parametrize("block_size", [1, 32])
 def test_d_block_sizes(prompt_ids, expected, block_size):
     num_blocks = 6400 // block_size
     _, got = run(prompt_ids, block_size=block_size, num_kv_blocks=num_blocks)
