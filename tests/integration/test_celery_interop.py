@@ -167,7 +167,7 @@ def test_killed_worker_tasks_are_redelivered_and_completed(
     sent = [
         celery_app.send_task(
             "qworker.generate",
-            kwargs={"prompt_token_ids": [10 + i, 11], "params": {"max_tokens": 200, "ignore_eos": True}},
+            kwargs={"prompt_token_ids": [10 + i, 11], "params": {"max_tokens": 100, "ignore_eos": True}},
             queue=queue,
         )
         for i in range(12)
@@ -189,7 +189,7 @@ def test_killed_worker_tasks_are_redelivered_and_completed(
         if peer is not None:
             assert peer.wait(timeout=60) == 0
     assert held > 0
-    assert all(v["status"] == "completed" and len(v["token_ids"]) == 200 for v in values)
+    assert all(v["status"] == "completed" and len(v["token_ids"]) == 100 for v in values)
     redelivered = [v for v in values if v["attempts"] > 1]
     assert redelivered and all(v["worker"] == "peer" for v in redelivered)
     assert broker.llen(queue) == 0 and broker.hlen(f"{queue}.unacked") == 0
