@@ -339,8 +339,8 @@ class BatchDriver:
 
     def _parts(self, batch_id: str) -> tuple[OutputParts, OutputParts]:
         return (
-            OutputParts(self.files, self.records, batch_id, "output"),
-            OutputParts(self.files, self.records, batch_id, "errors"),
+            OutputParts(self.files, self.records, batch_id, "output", self.settings.batch_part_max_age_s),
+            OutputParts(self.files, self.records, batch_id, "errors", self.settings.batch_part_max_age_s),
         )
 
     def _publish_parts(self, batch: dict[str, Any], owner: str) -> None:

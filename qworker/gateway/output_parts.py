@@ -1,7 +1,7 @@
 """A batch's output (or error) lines, written to the file store in parts as rows finish.
 
 The driver buffers finished lines in memory and stores them as one part object once the buffer
-holds PART_MAX_LINES lines or PART_MAX_BYTES, or PART_MAX_AGE_S after its first line, whichever
+holds PART_MAX_LINES lines or PART_MAX_BYTES, or `--batch-part-max-age-s` after its first line, whichever
 comes first; the part's file id is then appended to a list in the result store. So a replica's
 memory holds at most one part per open file, and the lines of every stored part survive a killed
 replica: the next driver (any replica: the parts are in the shared file store) reads the parts
@@ -34,9 +34,6 @@ logger = logging.getLogger(__name__)
 
 PART_MAX_LINES = 1000
 PART_MAX_BYTES = 4 * 2**20
-# A part is stored at most this long after its first line: a slow batch's rows reach the store
-# soon, not only once a thousand have finished.
-PART_MAX_AGE_S = 2.0
 
 
 def _custom_id(raw: bytes) -> str | None:
@@ -51,8 +48,13 @@ class OutputParts:
     """One output file of a batch (`name`: output or errors) as parts in `files`, their ids in a
     list under `records`. Used as a line sink by batch.output.BatchOutput."""
 
-    def __init__(self, files: FileStore, records: Records, batch_id: str, name: str) -> None:
+    def __init__(
+        self, files: FileStore, records: Records, batch_id: str, name: str, max_age_s: float
+    ) -> None:
         self.files = files
+        # A part is stored at most max_age_s after its first line: a slow batch's rows reach the
+        # store soon, not only once a thousand have finished.
+        self.max_age_s = max_age_s
         self.records = records
         self.batch_id = batch_id
         self.name = name
@@ -94,7 +96,7 @@ class OutputParts:
             self.flush()
 
     def flush_if_old(self) -> None:
-        if self._buffer and time.monotonic() - self._first_at >= PART_MAX_AGE_S:
+        if self._buffer and time.monotonic() - self._first_at >= self.max_age_s:
             self.flush()
 
     def flush(self) -> None:

@@ -114,6 +114,13 @@ class GatewaySettings:
             "error in its errors (a clean shutdown does not count)"
         },
     )
+    batch_part_max_age_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "A batch's finished output lines reach the file store as a part at most this long "
+            "after the first of them (or at 1000 lines or 4 MiB, whichever comes first)"
+        },
+    )
     max_driven_batches: int = field(
         default=4, metadata={"help": "Batches this replica drives at once (one thread each)"}
     )
@@ -159,6 +166,7 @@ class GatewaySettings:
             "batch_lease_s": self.batch_lease_s,
             "max_driven_batches": self.max_driven_batches,
             "max_batch_attempts": self.max_batch_attempts,
+            "batch_part_max_age_s": self.batch_part_max_age_s,
             "webhook_max_attempts": self.webhook_max_attempts,
             "webhook_timeout_s": self.webhook_timeout_s,
             "webhook_backoff_s": self.webhook_backoff_s,

@@ -179,7 +179,8 @@ class GatewayProcess:
         }
         log = open(self.log_path, "w")  # noqa: SIM115 - the process owns it
         args = ["--queue", self.queue_url, "--port", str(self.port), "--model", MODEL_NAME]
-        args += ["--files-url", self.files_url, "--batch-lease-s", "2"]
+        # Parts at most 0.2 s old: the kill tests need a stored part early in the batch.
+        args += ["--files-url", self.files_url, "--batch-lease-s", "2", "--batch-part-max-age-s", "0.2"]
         args += ["--max-file-bytes", str(MAX_FILE_BYTES), "--max-file-rows", str(MAX_FILE_ROWS)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "qworker.cli", "gateway", *args],
@@ -380,9 +381,12 @@ def run_killing_the_driver(
     custom_id, every row enqueued once and none run to completion twice, and its parts are gone.
     Returns the names of the replicas that drove it."""
     client = sdk(replicas[0])
-    # Rows long enough (24-48 tokens, four at a time) that the batch outlasts the kill however
-    # fast the machine: with 3-16 tokens a quiet machine finished all 60 before the first reading.
-    rows = [row for row in mixed_rows(90, max_tokens=(24, 48), seed=seed) if row["url"] == COMPLETIONS_URL]
+    # Rows long enough (96-160 tokens, four at a time: some 1,500 steps) that the batch outlasts
+    # the first stored part and the kill however fast the machine: with 24-48 tokens a quiet
+    # machine finished all of them before the first part (then 2 s old) was stored.
+    rows = [row for row in mixed_rows(90, max_tokens=(96, 160), seed=seed) if row["url"] == COMPLETIONS_URL]
+    for row in rows:
+        row["body"]["ignore_eos"] = True
     num_before = entries_added(pool_url)
     batch = client.batches.create(
         input_file_id=upload(client, rows), endpoint=COMPLETIONS_URL, completion_window="24h"
@@ -417,7 +421,7 @@ def run_killing_the_driver(
 def test_a_gateway_sigkilled_mid_batch_and_restarted_completes_it(gateway, worker, pool_url, files_bucket):
     """One replica, killed and started again on its work directory: it resumes the batch."""
     run_killing_the_driver(pool_url, worker, [gateway], files_bucket, seed=7, restart=True)
-    assert "driving it (in_progress)" in gateway.log_text(), "the restart carried the batch on"
+    assert "driving it (in_progress)" in gateway.log_path.read_text(), "the restart carried the batch on"
 
 
 @pytest.mark.timeout(150)
@@ -545,7 +549,9 @@ def records_redis(pool_url: str) -> tuple[redis_lib.Redis, str]:
 @pytest.mark.timeout(90)
 def test_a_batch_past_expires_at_ends_expired_with_its_partial_output(gateway, worker, pool_url):
     client = sdk(gateway)
-    body = {"model": MODEL_NAME, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    # 40 rows of 160 tokens, four at a time (some 1,600 steps): the deadline moved after the
+    # second row passes long before the last row, however fast the machine.
+    body = {"model": MODEL_NAME, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     rows = [batch_row(f"e-{i}", COMPLETIONS_URL, {**body, "prompt": f"Saga {i}"}) for i in range(40)]
     batch = client.batches.create(
         input_file_id=upload(client, rows),
