@@ -60,7 +60,7 @@ def test_sigkill_loses_nothing(url, tiny_dir, tmp_path):
         [
             {
                 "prompt_token_ids": [10 + i % 97, 11, 12],
-                "params": {"max_tokens": 16 + i % 17, "ignore_eos": True},
+                "params": {"max_tokens": 8 + i % 9, "ignore_eos": True},
             }
             for i in range(num_jobs)
         ]
