@@ -60,8 +60,9 @@ def num_results(port: int, prefix: str) -> int:
 def test_a_failover_mid_run_loses_no_job(sentinels, tiny_model_dir, tmp_path):
     name = f"qws:{uuid.uuid4().hex[:8]}"
     # A short WAIT: between the promotion and the old primary's return as a replica, the new
-    # primary has no replica, and every WAIT runs to its timeout.
-    url = f"{sentinels.url}?stream={name}&group=g&prefix={name}&lease_timeout_s=3&wait_timeout_ms=200"
+    # primary has no replica, and every WAIT runs to its timeout (the run after the failover
+    # took some 20 s with 200 ms, 13 s with 50 ms).
+    url = f"{sentinels.url}?stream={name}&group=g&prefix={name}&lease_timeout_s=3&wait_timeout_ms=50"
     log_path = tmp_path / "worker.log"
     worker = spawn_worker(url, tiny_model_dir, "sw1", "--log-level", "INFO", log_path=log_path)
     client = Client(queue=url)
