@@ -9,7 +9,6 @@ drain grace shorter than what is left of them, so that it releases them to its p
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import redis as redis_lib
@@ -17,7 +16,7 @@ import redis as redis_lib
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobStatus
 from qworker.worker.testing import cleanup, redis_base_url, unique_url
-from tests.pool_emulator.scenario import ScenarioConfig, ScenarioRun, bursty_config, run_scenario
+from tests.pool_emulator.scenario import ScenarioRun, bursty_config, run_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,21 +25,6 @@ def report(run: ScenarioRun) -> str:
     lines = [run.format_timeline(), json.dumps(run.summary(), indent=1)]
     lines += [json.dumps(w) for w in run.workers]
     return "\n".join(lines)
-
-
-def shorter(config: ScenarioConfig) -> ScenarioConfig:
-    """bursty_config with its wall-clock waits cut by 15 s: a trickle of 15 jobs over 15 s (was 25
-    over 25 s, one a second either way; the scale-in needs the 5 s stabilisation window after the
-    burst's demand falls) and a quiet gap of 15 s before the last burst (was 20 s; the rest of the
-    trickle, the 5 s cooldown and a poll fit in it)."""
-    bursts = []
-    for burst in config.bursts:
-        if burst.name.startswith("trickle-"):
-            burst = replace(burst, num_jobs=15, spread_s=15.0)
-        elif burst.name == "last-burst":
-            burst = replace(burst, at_s=15.0)
-        bursts.append(burst)
-    return replace(config, bursts=tuple(bursts))
 
 
 @pytest.fixture
@@ -53,7 +37,7 @@ def queue_url():
 def test_pool_scales_from_zero_to_two_and_back_and_every_job_completes_once(
     tiny_model_dir, queue_url, tmp_path
 ):
-    config = shorter(bursty_config())
+    config = bursty_config()
     run = run_scenario(queue_url, str(tiny_model_dir), config, tmp_path)
     text = report(run)
     print(text)  # the timeline: shown with -s, and in the report of a failure
