@@ -595,11 +595,13 @@ def bursty_config(
     `num_cycles` cycles has:
 
     - a burst: 160 short jobs (about 5 blocks each, 750 in all: the signal asks for 2 workers);
-    - from when 90% of the burst is done, a trickle of longer jobs, one a second for 25 s (300-500
-      new tokens, about 27 blocks, a second or two each): demand is far below one worker's target,
-      so the HPA scales in during the burst's tail or the trickle, while jobs are in flight; with
-      a drain grace shorter than what is left of them, the removed worker releases them and its
-      peer runs them again;
+    - from when 90% of the burst is done, a trickle of longer jobs, one a second for 25 s (700-960
+      new tokens, about 60 blocks, two to four seconds each, so that two or more are in flight at
+      any moment even on a quiet machine; with 300-500 tokens a quiet machine sometimes had none
+      in flight on the removed worker when the scale-in came): demand is far below one worker's
+      target, so the HPA scales in during the burst's tail or the trickle, while jobs are in
+      flight; with a drain grace shorter than what is left of them, the removed worker releases
+      them and its peer runs them again;
     - a quiet gap: the next phase starts 20 s after 90% of the trickle is done, long after its
       last job and the cooldown: the pool goes to 0.
 
@@ -607,7 +609,7 @@ def bursty_config(
     KEDA's and the HPA's windows are keda-kv-demand.yaml's minutes scaled down to seconds
     (cooldown 5 s, scale-down stabilisation 5 s, a poll per second).
     """
-    short, long = ((8, 48), (16, 64)), ((16, 32), (300, 500))
+    short, long = ((8, 48), (16, 64)), ((16, 32), (700, 960))
     bursts: list[Burst] = []
     previous: str | None = None
     for c in range(1, num_cycles + 1):
