@@ -173,18 +173,7 @@ class CelerySource(JobSource):
         headers = dict(raw.get("headers") or {})
         content_type = raw.get("content-type")
         encoding = (raw.get("content-encoding") or "utf-8").lower()
-        rejection = None
-        if content_type != ACCEPTED_CONTENT_TYPE or encoding not in ("utf-8", "utf8"):
-            rejection = (
-                f"content type {content_type!r} ({encoding}) is not accepted; qworker takes only "
-                f"{ACCEPTED_CONTENT_TYPE} (send with serializer='json'). The body was not deserialized."
-            )
-        elif headers.get("compression"):
-            rejection = f"compressed messages ({headers['compression']!r}) are not accepted"
-        elif "task" not in headers:
-            rejection = "not a Celery protocol v2 message (no task header); qworker reads protocol 2"
-        elif headers["task"] != TASK_NAME:
-            rejection = f"task {headers['task']!r} is not served here; qworker serves {TASK_NAME!r}"
+        rejection = envelope_rejection(content_type, encoding, headers)
         if rejection is not None:
             # Never decompress or decode what we refuse: the Message gets the headers without it.
             headers.pop("compression", None)
@@ -373,3 +362,20 @@ def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> Celer
         lease_timeout_s=lease_timeout_s or url_number(params, "lease_timeout_s", 30.0),
         dead_letter=params.get("dead_letter"),
     )
+
+
+def envelope_rejection(content_type: str | None, encoding: str, headers: dict[str, Any]) -> str | None:
+    """Why a Celery message is refused before its body is read (None: it is read). Shared by the
+    Redis and AMQP transports, which carry the same protocol-2 envelope in different fields."""
+    if content_type != ACCEPTED_CONTENT_TYPE or encoding not in ("utf-8", "utf8"):
+        return (
+            f"content type {content_type!r} ({encoding}) is not accepted; qworker takes only "
+            f"{ACCEPTED_CONTENT_TYPE} (send with serializer='json'). The body was not deserialized."
+        )
+    if headers.get("compression"):
+        return f"compressed messages ({headers['compression']!r}) are not accepted"
+    if "task" not in headers:
+        return "not a Celery protocol v2 message (no task header); qworker reads protocol 2"
+    if headers["task"] != TASK_NAME:
+        return f"task {headers['task']!r} is not served here; qworker serves {TASK_NAME!r}"
+    return None

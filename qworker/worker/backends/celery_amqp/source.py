@@ -49,7 +49,6 @@ import logging
 import time
 from typing import Any
 
-from qworker.worker.backends.celery.keys import TASK_NAME
 from qworker.worker.backends.celery.source import (
     ACCEPTED_CONTENT_TYPE,
     DELIVERY_COUNT_TTL_S,
@@ -58,6 +57,7 @@ from qworker.worker.backends.celery.source import (
     CelerySource,
     _header_time,
     _time_limits,
+    envelope_rejection,
 )
 from qworker.worker.backends.celery_amqp.broker import AmqpBroker
 from qworker.worker.backends.celery_amqp.url import AmqpQueue, parse_amqp_url
@@ -121,18 +121,7 @@ class AmqpCelerySource(JobSource):
         headers = dict(properties.get("application_headers") or {})
         content_type = properties.get("content_type")
         encoding = (properties.get("content_encoding") or "utf-8").lower()
-        rejection = None
-        if content_type != ACCEPTED_CONTENT_TYPE or encoding not in ("utf-8", "utf8"):
-            rejection = (
-                f"content type {content_type!r} ({encoding}) is not accepted; qworker takes only "
-                f"{ACCEPTED_CONTENT_TYPE} (send with serializer='json'). The body was not deserialized."
-            )
-        elif headers.get("compression"):
-            rejection = f"compressed messages ({headers['compression']!r}) are not accepted"
-        elif "task" not in headers:
-            rejection = "not a Celery protocol v2 message (no task header); qworker reads protocol 2"
-        elif headers["task"] != TASK_NAME:
-            rejection = f"task {headers['task']!r} is not served here; qworker serves {TASK_NAME!r}"
+        rejection = envelope_rejection(content_type, encoding, headers)
         tag = message.delivery_info["delivery_tag"]
         message_id = f"{self.broker.generation}:{tag}"
         self._messages[message_id] = message
