@@ -41,13 +41,15 @@ MULTIPART_BYTES = 5 * 2**20
 
 class ThrottlingProxy:
     """Forwards HTTP to moto; counts GETs and body bytes per path; sleeps between body chunks
-    while `bytes_per_s` is set."""
+    while `bytes_per_s` is set. `reset()` starts a new count: a response begun before it (to a
+    client since killed) stops and counts nothing more."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream)
         self.bytes_per_s: float | None = None
         self.gets: Counter[str] = Counter()
         self.body_bytes: Counter[str] = Counter()
+        self.generation = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -58,6 +60,7 @@ class ThrottlingProxy:
                 pass
 
             def _forward(self) -> None:
+                generation = proxy.generation
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
@@ -76,9 +79,11 @@ class ThrottlingProxy:
                 self.end_headers()
                 try:
                     while chunk := response.read(64 * 1024):
-                        self.wfile.write(chunk)
                         with proxy._lock:
+                            if generation != proxy.generation:
+                                break  # sleeping when its client was killed and the count reset
                             proxy.body_bytes[path] += len(chunk)
+                        self.wfile.write(chunk)
                         if proxy.bytes_per_s:
                             time.sleep(len(chunk) / proxy.bytes_per_s)
                 except (BrokenPipeError, ConnectionResetError):
@@ -99,9 +104,11 @@ class ThrottlingProxy:
         self.endpoint_url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def reset(self) -> None:
-        self.bytes_per_s = None
-        self.gets.clear()
-        self.body_bytes.clear()
+        with self._lock:
+            self.generation += 1
+            self.bytes_per_s = None
+            self.gets.clear()
+            self.body_bytes.clear()
 
     def close(self) -> None:
         self.server.shutdown()
