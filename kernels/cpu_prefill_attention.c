@@ -22,6 +22,12 @@
 // on blocks that cross the diagonal, the online-softmax update, then P.V into the QT x D
 // accumulators (each V value loaded feeds 4 rows).
 //
+// bf16 on a CPU with AMX (built with -march=native where the compiler defines __AMX_BF16__ and
+// __AMX_TILE__, head_dim a multiple of 32, and the process granted the tile state: cpu_amx.h) takes
+// a third path, run_unit_amx: both products by TDPBF16PS on 16 x 16 fp32 tiles, K and V packed per
+// tile (see SeqKV), the online softmax in AVX-512 on the fp32 scores the tiles store. Refused the
+// tile state, it takes the VDPBF16PS path (or the fp32 one).
+//
 // Measured on the 2-core AVX-512-BF16 EPYC (Zen 4), SmolLM2 shapes (9 heads, 3 KV heads, head_dim
 // 64), bf16, one thread, prompts of 280-500 tokens: 82-99 GFLOP/s with the VDPBF16PS path against
 // 30-47 for torch's SDPA flash kernel a sequence at a time (with its gather), in the same run; the
@@ -42,6 +48,13 @@
 #define HAVE_DP 1
 #else
 #define HAVE_DP 0
+#endif
+
+#include "cpu_amx.h"
+#if defined(QW_HAVE_AMX)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
 #endif
 
 
@@ -68,6 +81,7 @@ typedef struct {
     int64_t window;  // the query at position i sees keys i - window + 1 .. i
     int has_soft_cap;
     float soft_cap;  // scores s become tanh(s / soft_cap) * soft_cap before the softmax
+    int use_amx;     // the AMX path: bf16, HAVE_AMX, head_dim a multiple of 32, tiles granted
 } Params;
 
 // First key the query at position `pos` sees.
@@ -81,7 +95,10 @@ typedef struct {
 // Per sequence: its K^T and V for every KV head (Lp: the context rounded up to KB keys, Dp:
 // head_dim rounded up to 64; the padding is zero). fp32 path: kt [KVH, D, Lp], v [KVH, Lp, Dp].
 // VDPBF16PS path, bf16 pairs in the same memory: kt [KVH, D / 2, Lp, 2] (two dims of one key side
-// by side) and v [KVH, Lp / 2, D, 2] (one dim of two keys side by side).
+// by side) and v [KVH, Lp / 2, D, 2] (one dim of two keys side by side). AMX path, bf16, each
+// 1 KiB tile contiguous (16 rows of 64 bytes): kt [KVH, Lp / 16, D / 32, 16, 16, 2] (a B tile of
+// S = Q K^T: row = a pair of dims, 16 keys x 2 dims) and v [KVH, Lp / 32, D / 16, 16, 16, 2] (a B
+// tile of P.V: row = a pair of keys, 16 dims x 2 keys).
 typedef struct {
     float *kt;
     float *v;
@@ -99,6 +116,16 @@ static int convert_kv(const Params *p, int64_t s, const SeqKV *kv, int64_t Dp, i
         if (block < 0 || block >= p->num_blocks) return QW_BAD_BLOCK_ID;
         const int64_t base = ((block * BS + t % BS) * KV) * D;
         for (int64_t h = 0; h < KV; h++) {
+            if (p->use_amx) {
+                const uint16_t *kr = (const uint16_t *)p->k + base + h * D, *vs = (const uint16_t *)p->v + base + h * D;
+                // Dims 2i, 2i + 1 of key t: row i % 16 of K tile (t / 16, i / 16), column pair t % 16.
+                uint16_t *kt = (uint16_t *)kv->kt + h * D * Lp + (t / 16) * (D / 32) * 512 + (t % 16) * 2;
+                for (int64_t i = 0; i < D / 2; i++) memcpy(kt + (i / 16) * 512 + (i % 16) * 32, kr + 2 * i, 4);
+                // Dim d of key t: row (t % 32) / 2 of V tile (t / 32, d / 16), column d % 16, lane t % 2.
+                uint16_t *vt = (uint16_t *)kv->v + h * D * Lp + (t / 32) * (D / 16) * 512 + (t % 32) / 2 * 32 + t % 2;
+                for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 2] = vs[d];
+                continue;
+            }
             if (p->use_dp) {
                 const uint16_t *kr = (const uint16_t *)p->k + base + h * D, *vs = (const uint16_t *)p->v + base + h * D;
                 uint16_t *kt2 = (uint16_t *)kv->kt + h * D * Lp + 2 * t;
@@ -324,6 +351,147 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
     }
 }
 
+#if HAVE_AMX
+// The online softmax of one block of scores for the AMX path: w->s [QT, KB] raw products Q.K, scaled
+// here, capped, masked (keys past the query or before its window, and keys past the block's kb);
+// writes the probabilities as bf16 into w->pbf [QT, KB] and updates m, l and alpha. Score lanes past
+// kb may hold stale values (tiles not computed for them): the mask replaces them.
+static inline void softmax_block_amx(const Params *p, Scratch *w, int64_t pos0, int64_t rows, int64_t j0,
+                                     int64_t kb) {
+    const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t r = 0; r < QT; r++) {
+        const float *sr = w->s + r * KB;
+        const int64_t pos = pos0 + (r < rows ? r : rows - 1);
+        // Visible keys of the block, as offsets from j0: [lo, hi).
+        const int64_t hi = pos - j0 + 1 < kb ? pos - j0 + 1 : kb, lo0 = first_key(p, pos) - j0;
+        const int64_t lo = lo0 > 0 ? lo0 : 0;
+        const uint64_t below_hi = hi <= 0 ? 0 : hi >= 64 ? ~0ull : (1ull << hi) - 1;
+        const uint64_t visible = lo >= 64 ? 0 : below_hi & ~((1ull << lo) - 1);
+        __m512 x[KB / 16], mx = minus_inf;
+        for (int c = 0; c < KB / 16; c++) {
+            __m512 xc = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), scale);
+            if (p->has_soft_cap) xc = (__m512)vsoft_cap16((v16f)xc, p->soft_cap);
+            x[c] = _mm512_mask_mov_ps(minus_inf, (__mmask16)(visible >> (16 * c)), xc);
+            mx = _mm512_max_ps(mx, x[c]);
+        }
+        const float block_max = _mm512_reduce_max_ps(mx);
+        const float m_new = block_max > w->m[r] ? block_max : w->m[r];
+        uint16_t *pr = w->pbf + r * KB;
+        if (m_new == -INFINITY) {  // nothing visible yet: the block is before this row's window
+            w->alpha[r] = 1.0f;
+            memset(pr, 0, KB * sizeof(uint16_t));
+            continue;
+        }
+        const __m512 mn = _mm512_set1_ps(m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < KB / 16; c++) {
+            const __m512 pc = (__m512)vexp_nonpos16((v16f)_mm512_sub_ps(x[c], mn));
+            sum = _mm512_add_ps(sum, pc);
+            _mm256_storeu_si256((__m256i *)(pr + 16 * c), (__m256i)_mm512_cvtneps_pbh(pc));
+        }
+        w->alpha[r] = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
+        w->l[r] = w->l[r] * w->alpha[r] + _mm512_reduce_add_ps(sum);
+        w->m[r] = m_new;
+    }
+}
+
+// run_unit with TDPBF16PS; the calling thread has loaded a configuration of every tile as 16 rows x
+// 64 bytes. Tiles: 0-3 the scores of four 16-key sub-blocks (then the P.V accumulators), 4-5 B tiles
+// (K or V), 6-7 A tiles (Q, then P).
+static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratch *w) {
+    const int64_t H = p->num_heads, D = p->head_dim, G = H / p->num_kv_heads;
+    const int64_t s = u->seq, h = u->head, kvh = h / G;
+    const int64_t n = p->query_start[s + 1] - p->query_start[s], L = p->seq_lens[s];
+    const int64_t first = u->first, rows = n - first < QT ? n - first : QT;
+    const int64_t Lp = kv->padded_len, DC = D / 32, DV = D / 16;  // 32-dim K chunks, 16-dim V chunks
+    const uint16_t *kt = (const uint16_t *)kv->kt + kvh * D * Lp, *vt = (const uint16_t *)kv->v + kvh * D * Lp;
+    uint16_t *q = (uint16_t *)w->q;  // [QT, D] bf16, unscaled: the scale multiplies the scores
+    // Rows past the chunk's end repeat its last query: computed and never stored.
+    for (int64_t r = 0; r < QT; r++) {
+        const int64_t i = first + (r < rows ? r : rows - 1);
+        memcpy(q + r * D, (const uint16_t *)p->q + ((p->query_start[s] + i) * H + h) * D, (size_t)D * 2);
+        memset(w->acc + r * D, 0, (size_t)D * sizeof(float));
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    const int64_t pos0 = L - n + first, key_end = pos0 + rows;
+    for (int64_t j0 = first_key(p, pos0) / KB * KB; j0 < key_end; j0 += KB) {
+        const int64_t kb = key_end - j0 < KB ? key_end - j0 : KB;
+        const int64_t subs = (kb + 15) / 16, halves = (kb + 31) / 32;  // 16-key and 32-key pieces used
+        // S [QT, KB] = Q K^T, one 16 x 16 tile per 16 keys, 32 dims per product.
+        const uint16_t *kblock = kt + (j0 / 16) * DC * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < DC; c++) {
+            const uint16_t *kc = kblock + c * 512;
+            _tile_loadd(6, q + 32 * c, D * 2);
+            _tile_loadd(4, kc, 64);
+            _tile_dpbf16ps(0, 6, 4);
+            if (subs > 1) {
+                _tile_loadd(5, kc + DC * 512, 64);
+                _tile_dpbf16ps(1, 6, 5);
+            }
+            if (subs > 2) {
+                _tile_loadd(4, kc + 2 * DC * 512, 64);
+                _tile_dpbf16ps(2, 6, 4);
+            }
+            if (subs > 3) {
+                _tile_loadd(5, kc + 3 * DC * 512, 64);
+                _tile_dpbf16ps(3, 6, 5);
+            }
+        }
+        _tile_stored(0, w->s, KB * 4);
+        if (subs > 1) _tile_stored(1, w->s + 16, KB * 4);
+        if (subs > 2) _tile_stored(2, w->s + 32, KB * 4);
+        if (subs > 3) _tile_stored(3, w->s + 48, KB * 4);
+        softmax_block_amx(p, w, pos0, rows, j0, kb);
+        // acc [QT, D] = acc * alpha + P V, 32 dims (two tiles) at a time.
+        for (int64_t r = 0; r < QT; r++) {
+            if (w->alpha[r] == 1.0f) continue;
+            const __m512 a = _mm512_set1_ps(w->alpha[r]);
+            float *ar = w->acc + r * D;
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
+        }
+        _tile_loadd(6, w->pbf, KB * 2);
+        if (halves > 1) _tile_loadd(7, w->pbf + 32, KB * 2);
+        const uint16_t *v0 = vt + (j0 / 32) * DV * 512, *v1 = v0 + DV * 512;
+        for (int64_t c = 0; c < DV; c += 2) {
+            _tile_loadd(0, w->acc + 16 * c, D * 4);
+            _tile_loadd(1, w->acc + 16 * c + 16, D * 4);
+            _tile_loadd(4, v0 + c * 512, 64);
+            _tile_loadd(5, v0 + c * 512 + 512, 64);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_dpbf16ps(1, 6, 5);
+            if (halves > 1) {
+                _tile_loadd(4, v1 + c * 512, 64);
+                _tile_loadd(5, v1 + c * 512 + 512, 64);
+                _tile_dpbf16ps(0, 7, 4);
+                _tile_dpbf16ps(1, 7, 5);
+            }
+            _tile_stored(0, w->acc + 16 * c, D * 4);
+            _tile_stored(1, w->acc + 16 * c + 16, D * 4);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *o = (uint16_t *)p->out + ((p->query_start[s] + first + r) * H + h) * D;
+        const float inv = 1.0f / w->l[r], *a = w->acc + r * D;
+        for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(a[d] * inv);
+    }
+}
+#endif
+
+// 1 when bf16 calls with head_dim a multiple of 32 take the AMX path: built with AMX and the process
+// granted the tile state (asked here, once per process).
+int qw_prefill_amx_available(void) {
+#if HAVE_AMX
+    return qw_amx_request();
+#else
+    return 0;
+#endif
+}
+
 static int by_cost_desc(const void *a, const void *b) {
     const Unit *x = a, *y = b;
     return (x->cost < y->cost) - (x->cost > y->cost);
@@ -332,12 +500,13 @@ static int by_cost_desc(const void *a, const void *b) {
 // Entry point (ctypes): sequences [seq_begin, seq_end) of the tables. head_dim a multiple of 16 up to
 // MAX_HEAD_DIM; num_heads a multiple of num_kv_heads. The query at position i sees keys
 // max(0, i - window + 1) .. i (a window of max_blocks * block_size or more: causal attention), and
-// with has_soft_cap its scaled scores are capped by tanh. Returns QW_OK or an error code.
+// with has_soft_cap its scaled scores are capped by tanh. allow_amx 0 keeps bf16 off the AMX path
+// (to compare the paths). Returns QW_OK or an error code.
 int qw_paged_prefill_attention(const void *q, const void *k, const void *v, const int32_t *block_tables,
                                const int32_t *seq_lens, const int32_t *query_start, void *out, int64_t seq_begin,
                                int64_t seq_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t block_size, int64_t max_blocks, int64_t num_blocks, float scale, int64_t window,
-                               int has_soft_cap, float soft_cap, int is_bf16, int num_threads) {
+                               int has_soft_cap, float soft_cap, int is_bf16, int num_threads, int allow_amx) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM ||
         block_size <= 0 || num_threads <= 0 || seq_begin < 0 || seq_end < seq_begin || window < 1 ||
         (has_soft_cap && !(soft_cap > 0.0f)))
@@ -346,7 +515,10 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
     Params p = {q,          k,          v,         block_tables, seq_lens,
                 query_start, out,       num_heads, num_kv_heads, head_dim,
                 block_size, max_blocks, num_blocks, scale,       is_bf16,
-                HAVE_DP && is_bf16 && head_dim % 64 == 0, window, has_soft_cap, soft_cap};
+                HAVE_DP && is_bf16 && head_dim % 64 == 0, window, has_soft_cap, soft_cap, 0};
+    // The tile state is asked for only when the path could be taken; refused, bf16 stays on VDPBF16PS.
+    p.use_amx = HAVE_AMX && allow_amx && is_bf16 && head_dim % 32 == 0 && qw_prefill_amx_available();
+    if (p.use_amx) p.use_dp = 0;
     const int64_t num_seqs = seq_end - seq_begin, Dp = round_up(head_dim, 64);
 
     int64_t num_units = 0, floats = 0;
@@ -419,6 +591,13 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
 #pragma omp atomic read
         ok = err;
         ok = ok == QW_OK && buf != NULL;
+#if HAVE_AMX
+        qw_amx_tilecfg cfg;
+        if (ok && p.use_amx) {  // per thread: the configuration is thread state
+            qw_amx_config_all(&cfg, 16, 64);
+            _tile_loadconfig(&cfg);
+        }
+#endif
         if (ok) {
             w.q = buf;
             w.acc = buf + QT * Dp;
@@ -428,9 +607,18 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
                 const int64_t i = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED);
                 if (i >= num_units) break;
                 const Unit *u = &units[i];
+#if HAVE_AMX
+                if (p.use_amx) {
+                    run_unit_amx(&p, u, &kv[u->seq - seq_begin], &w);
+                    continue;
+                }
+#endif
                 run_unit(&p, u, &kv[u->seq - seq_begin], Dp, &w);
             }
         }
+#if HAVE_AMX
+        if (ok && p.use_amx) _tile_release();  // the thread carries no tile state out of the call
+#endif
         free(buf);
     }
 #undef KEYS_SEEN

@@ -5,6 +5,10 @@ Every prefill chunk of a step in one call: each chunk's queries attend causally 
 whole context, read in place through the block table (the chunk's own K/V must be in the cache
 already). A chunk that continues a prompt, or starts after a prefix-cache hit, needs no gathered
 copy of its context.
+
+bf16 takes AMX tiles where the kernel was built for an AMX CPU and Linux grants the process the
+tile state (`amx_available()`; head_dim a multiple of 32), else AVX512-BF16 dot products where the
+CPU has them, else fp32.
 """
 
 from __future__ import annotations
@@ -16,15 +20,18 @@ import torch
 from qworker_kernels.constants import check_attention_extras
 from qworker_kernels.cpu_build import CKernelLibrary
 
-__all__ = ["is_available", "paged_prefill_attention", "paged_prefill_attention_reference"]
+__all__ = ["amx_available", "is_available", "paged_prefill_attention", "paged_prefill_attention_reference"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _LIBRARY = CKernelLibrary(
     "cpu_prefill_attention.c",
-    # pointers, sizes, scale, window, has_soft_cap, soft_cap, is_bf16, num_threads
-    {"qw_paged_prefill_attention": [*[_P] * 7, *[_I64] * 8, _F, _I64, _I, _F, _I, _I]},
+    {
+        # pointers, sizes, scale, window, has_soft_cap, soft_cap, is_bf16, num_threads, allow_amx
+        "qw_paged_prefill_attention": [*[_P] * 7, *[_I64] * 8, _F, _I64, _I, _F, _I, _I, _I],
+        "qw_prefill_amx_available": [],
+    },
     errors={
         1: (ValueError, "a chunk is empty, longer than its context, or its context exceeds its block table"),
         2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
@@ -37,6 +44,13 @@ _LIBRARY = CKernelLibrary(
 def is_available() -> bool:
     """True when the C kernel is built (or can be built now) and loaded."""
     return _LIBRARY.is_available()
+
+
+def amx_available() -> bool:
+    """True when bf16 calls with head_dim a multiple of 32 take the AMX tile path: the kernel was
+    built for a CPU with AMX-BF16 and the process was granted the tile state (asked once)."""
+    lib = _LIBRARY.get()
+    return lib is not None and lib.qw_prefill_amx_available() == 1
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -66,6 +80,7 @@ def paged_prefill_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    allow_amx: bool = True,
 ) -> torch.Tensor:
     """Causal attention for sequences [seq_begin, seq_end) of a step's batch.
 
@@ -76,8 +91,9 @@ def paged_prefill_attention(
     the chunk included); query_start_loc: [num_seqs + 1] int32. With `sliding_window` W the query
     at position i sees keys j with i - W < j <= i only (key blocks before a tile's windows are
     neither converted nor read); with `logits_soft_cap` c the scaled scores s become
-    tanh(s / c) * c before the softmax. Writes the sequences' rows of `out` and returns it.
-    Raises ValueError on bad inputs.
+    tanh(s / c) * c before the softmax. `allow_amx=False` keeps bf16 off the AMX path (benchmarks
+    and tests compare the paths). Writes the sequences' rows of `out` and returns it. Raises
+    ValueError on bad inputs.
     """
     check_attention_extras(sliding_window, logits_soft_cap)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out}
@@ -122,7 +138,7 @@ def paged_prefill_attention(
         # No window is a window as long as the longest context the tables can hold.
         max(1, block_tables.shape[1] * block_size) if sliding_window is None else sliding_window,
         int(logits_soft_cap is not None), 0.0 if logits_soft_cap is None else float(logits_soft_cap),
-        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+        int(q.dtype == torch.bfloat16), torch.get_num_threads(), int(allow_amx),
     )  # fmt: skip
     _LIBRARY.check("paged_prefill_attention", rc)
     return out
