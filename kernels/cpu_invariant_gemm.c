@@ -15,10 +15,22 @@
 //
 // Threads: OpenMP over (column tile, row tile) pairs, static; each output element is computed by
 // one thread from start to end, so the thread count changes nothing either.
+//
+// AMX (bf16, when built for a CPU with AMX tiles and the OS grants them; the caller chooses with
+// `amx`): TDPBF16PS on 16 x 16 fp32 C tiles. Each C tile row is one output row, each element one
+// chain: zeroed, then one TDPBF16PS per 32-element chunk of K, chunks in order 0, 32, 64, ...,
+// into the same fp32 accumulator, stored once at the end. The hardware computes every C row from
+// its own A row only, so the rows beside it (real rows, the zero rows that pad the last row tile,
+// or none) change no bit; row tiles of 16 or 32 rows and column groups of 32 or 64 change which
+// tile registers hold a chain, never the chain. The packed weight is the same [N / 16][K2][16][2]
+// layout with K2 rounded up to a multiple of 16 pairs (zeros), so each (column block, K chunk) is
+// one contiguous 1 KiB B tile in the VNNI layout TDPBF16PS reads. The AMX and AVX-512 paths give
+// different bits (the dot products round differently), each the same for every M.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 #if defined(__AVX512F__)
@@ -32,8 +44,24 @@
 
 static int64_t cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int qw_inv_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
-    const int64_t nb = cdiv64(n, QW_NB), k2 = cdiv64(k, 2);
+// Pairs of K per packed block: ceil(K / 2), rounded up to whole AMX K chunks (16 pairs) for AMX.
+static int64_t packed_k2(int64_t k, int amx) {
+    const int64_t k2 = cdiv64(k, 2);
+    return amx ? cdiv64(k2, 16) * 16 : k2;
+}
+
+// *out = 1 when this build has the AMX path and the OS grants the tile registers.
+int qw_inv_amx_available(int *out) {
+#if defined(QW_HAVE_AMX)
+    *out = qw_amx_request();
+#else
+    *out = 0;
+#endif
+    return 0;
+}
+
+int qw_inv_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int amx) {
+    const int64_t nb = cdiv64(n, QW_NB), k2 = packed_k2(k, amx);
     memset(packed, 0, (size_t)(nb * k2 * QW_NB * 2) * sizeof(uint16_t));
     for (int64_t col = 0; col < n; col++) {
         const int64_t b = col / QW_NB, j = col % QW_NB;
@@ -134,6 +162,162 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
     }
 }
 
+// ---- bf16 on AMX tiles --------------------------------------------------------------------------
+
+#if defined(QW_HAVE_AMX)
+#define QW_AMX_ROWS 16    // rows per A / C tile
+#define QW_AMX_GROUP 4    // column blocks (of 16) per work item: 64 columns
+#define QW_AMX_MC 128     // rows per work item (their A rows stay in L2 while the group's B tiles cycle)
+
+// Bias, bf16 rounding and the store of one 16 x 16 C tile's first `rows` rows and `cols` columns.
+static inline void amx_store(const float *c, int64_t rows, int64_t cols, const float *bias, int64_t col0,
+                             uint16_t *out, int64_t ldo) {
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 v = _mm512_load_ps(c + r * QW_NB);
+        if (bias) v = _mm512_add_ps(v, b);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        _mm256_mask_storeu_epi16(out + r * ldo + col0, mask, h);
+    }
+}
+
+// 16 rows x up to 4 column blocks (nt of them): C tiles 0-3, A tile 4, B tiles 5-7 (the fourth
+// block reuses tile 5). a: 16 rows (stride lda elements), k2 packed pairs, steps chunks of 32.
+static void amx_1x4(const uint16_t *a, int64_t lda, const uint16_t *const *b, int nt, int64_t steps,
+                    float (*c)[QW_AMX_ROWS * QW_NB]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t stride_a = lda * 2;
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(4, a + s * 32, stride_a);
+        _tile_loadd(5, b[0] + s * 512, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nt > 1) {
+            _tile_loadd(6, b[1] + s * 512, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nt > 2) {
+            _tile_loadd(7, b[2] + s * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nt > 3) {
+            _tile_loadd(5, b[3] + s * 512, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    if (nt > 1) _tile_stored(1, c[1], 64);
+    if (nt > 2) _tile_stored(2, c[2], 64);
+    if (nt > 3) _tile_stored(3, c[3], 64);
+}
+
+// 32 rows (two A tiles, a0 and a1) x up to 2 column blocks: C tiles 0-3 (row tile r, block j in
+// tile 2 r + j), A tiles 4-5, B tiles 6-7. Each C element runs the same chain as in amx_1x4.
+static void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint16_t *const *b, int nt,
+                    int64_t steps, float (*c)[QW_AMX_ROWS * QW_NB]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t stride_a = lda * 2;
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(4, a0 + s * 32, stride_a);
+        _tile_loadd(6, b[0] + s * 512, 64);
+        _tile_loadd(5, a1 + s * 32, stride_a);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nt > 1) {
+            _tile_loadd(7, b[1] + s * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (nt > 1) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+    }
+}
+
+// x: [m, k] bf16 (row stride ldx) -> out [m, n] bf16. Rows whose A tile would run past m, and every
+// row when K is not a whole number of 32-element chunks, are read from a zero-padded copy.
+static int gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *out,
+                    int64_t ldo, int64_t m, int64_t n, int64_t k, int num_threads) {
+    const int64_t k2 = packed_k2(k, 1), steps = k2 / 16, kp = k2 * 2;
+    const int64_t nb = cdiv64(n, QW_NB);
+    // Row tiles [0, full_tiles) read x itself; the rest read `pad` ([pad_rows, kp], zeros beyond x).
+    const int64_t full_tiles = k % 32 == 0 ? m / QW_AMX_ROWS : 0;
+    const int64_t pad_row0 = full_tiles * QW_AMX_ROWS;
+    const int64_t pad_rows = cdiv64(m - pad_row0, QW_AMX_ROWS) * QW_AMX_ROWS;
+    uint16_t *pad = NULL;
+    if (pad_rows > 0) {
+        pad = aligned_alloc(64, (size_t)cdiv64(pad_rows * kp * 2, 64) * 64);
+        if (!pad) return 4;
+        memset(pad, 0, (size_t)(pad_rows * kp) * sizeof(uint16_t));
+        for (int64_t r = pad_row0; r < m; r++)
+            memcpy(pad + (r - pad_row0) * kp, x + r * ldx, (size_t)k * sizeof(uint16_t));
+    }
+    const int64_t groups = cdiv64(nb, QW_AMX_GROUP), chunks = cdiv64(m, QW_AMX_MC);
+    const int64_t work = groups * chunks;
+    (void)num_threads;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && work > 1)
+    {
+        qw_amx_tilecfg cfg;
+        qw_amx_config_all(&cfg, QW_AMX_ROWS, 64);
+        _tile_loadconfig(&cfg);
+        float c[QW_AMX_GROUP][QW_AMX_ROWS * QW_NB] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work; w++) {
+            const int64_t chunk = w / groups, g = w % groups;
+            const int64_t blk0 = g * QW_AMX_GROUP;
+            const int nt = (int)(nb - blk0 < QW_AMX_GROUP ? nb - blk0 : QW_AMX_GROUP);
+            const uint16_t *b[QW_AMX_GROUP];
+            for (int j = 0; j < QW_AMX_GROUP; j++) b[j] = packed + (blk0 + (j < nt ? j : 0)) * k2 * QW_NB * 2;
+            const int64_t row_end = (chunk + 1) * QW_AMX_MC < m ? (chunk + 1) * QW_AMX_MC : m;
+            for (int64_t row0 = chunk * QW_AMX_MC; row0 < row_end;) {
+                // The A rows of the row tile at row r: x itself, or the padded copy.
+#define QW_A_ROWS(r) ((r) < pad_row0 ? x + (r) * ldx : pad + ((r) - pad_row0) * kp)
+#define QW_A_LD(r) ((r) < pad_row0 ? ldx : kp)
+                const int64_t rows0 = row_end - row0 < QW_AMX_ROWS ? row_end - row0 : QW_AMX_ROWS;
+                const int64_t row1 = row0 + QW_AMX_ROWS;
+                if (row1 < row_end && QW_A_LD(row0) == QW_A_LD(row1)) {
+                    // Two row tiles at once, column blocks two by two.
+                    const int64_t rows1 = row_end - row1 < QW_AMX_ROWS ? row_end - row1 : QW_AMX_ROWS;
+                    for (int j = 0; j < nt; j += 2) {
+                        const int ntj = nt - j < 2 ? nt - j : 2;
+                        amx_2x2(QW_A_ROWS(row0), QW_A_ROWS(row1), QW_A_LD(row0), b + j, ntj, steps, c);
+                        for (int u = 0; u < ntj; u++) {
+                            const int64_t col0 = (blk0 + j + u) * QW_NB;
+                            const int64_t cols = n - col0 < QW_NB ? n - col0 : QW_NB;
+                            amx_store(c[u], rows0, cols, bias, col0, out + row0 * ldo, ldo);
+                            amx_store(c[2 + u], rows1, cols, bias, col0, out + row1 * ldo, ldo);
+                        }
+                    }
+                    row0 += 2 * QW_AMX_ROWS;
+                } else {
+                    amx_1x4(QW_A_ROWS(row0), QW_A_LD(row0), b, nt, steps, c);
+                    for (int u = 0; u < nt; u++) {
+                        const int64_t col0 = (blk0 + u) * QW_NB;
+                        const int64_t cols = n - col0 < QW_NB ? n - col0 : QW_NB;
+                        amx_store(c[u], rows0, cols, bias, col0, out + row0 * ldo, ldo);
+                    }
+                    row0 += QW_AMX_ROWS;
+                }
+#undef QW_A_ROWS
+#undef QW_A_LD
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+    return 0;
+}
+#endif  // QW_HAVE_AMX
+
 // ---- fp32 ---------------------------------------------------------------------------------------
 
 static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t ldx, const int mr,
@@ -224,9 +408,19 @@ static const tile_f32_fn TILES_F32[QW_MR][2] = {
 #undef QW_ROW
 
 // x: [m, k] (row stride ldx), packed weight as above, bias: [n] fp32 or NULL, out: [m, n] (row
-// stride ldo), in bf16 (is_bf16) or fp32.
+// stride ldo), in bf16 (is_bf16) or fp32. amx: the weight was packed for AMX (bf16 only; the
+// caller asked qw_inv_amx_available first).
 int qw_inv_gemm(const void *x, int64_t ldx, const void *packed, const float *bias, void *out, int64_t ldo,
-                int64_t m, int64_t n, int64_t k, int is_bf16, int num_threads) {
+                int64_t m, int64_t n, int64_t k, int is_bf16, int amx, int num_threads) {
+    if (amx) {
+#if defined(QW_HAVE_AMX)
+        if (!is_bf16 || !qw_amx_request()) return 5;
+        return gemm_amx((const uint16_t *)x, ldx, (const uint16_t *)packed, bias, (uint16_t *)out, ldo, m, n, k,
+                        num_threads);
+#else
+        return 5;
+#endif
+    }
     const int64_t nb = cdiv64(n, QW_NB);
     const int64_t col_tiles = cdiv64(nb, QW_NR_BLK), row_tiles = cdiv64(m, QW_MR);
     // Rows in chunks of QW_MC_TILES row tiles (128 rows: their x stays in L2) and, within a chunk,

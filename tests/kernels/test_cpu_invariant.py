@@ -3,6 +3,8 @@ token's attention output does not depend on the chunk or batch it is computed in
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from qworker_kernels import cpu_invariant_attention, cpu_invariant_gemm
@@ -15,16 +17,50 @@ pytestmark = [
     ),
 ]
 
-ROW_COUNTS = (1, 2, 7, 9, 16, 64, 128, 256)
+# 16 and 17: one whole AMX row tile and one row past it; 2048: many 128-row work items.
+ROW_COUNTS = (1, 2, 7, 9, 16, 17, 64, 128, 256, 2048)
 
 
+def _pack(weight: torch.Tensor, amx: bool) -> cpu_invariant_gemm.PackedInvariantWeight:
+    """The weight packed for the AMX path (amx) or the AVX-512 / portable one."""
+    if not amx:
+        previous = os.environ.get("QWORKER_INVARIANT_GEMM_AMX")
+        os.environ["QWORKER_INVARIANT_GEMM_AMX"] = "0"
+        try:
+            return cpu_invariant_gemm.pack_weight(weight)
+        finally:
+            if previous is None:
+                del os.environ["QWORKER_INVARIANT_GEMM_AMX"]
+            else:
+                os.environ["QWORKER_INVARIANT_GEMM_AMX"] = previous
+    packed = cpu_invariant_gemm.pack_weight(weight)
+    assert packed.amx == cpu_invariant_gemm.amx_enabled()
+    return packed
+
+
+_AMX_PATHS = [
+    False,
+    pytest.param(
+        True,
+        marks=pytest.mark.skipif(
+            not (cpu_invariant_gemm.is_available() and cpu_invariant_gemm.amx_enabled()),
+            reason="no AMX tiles on this CPU, in this build or granted by the OS",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("amx", _AMX_PATHS, ids=["vector", "amx"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (50, 33)])
-def test_gemm_row_is_the_same_whatever_the_row_count(dtype: torch.dtype, n: int, k: int) -> None:
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (50, 33), (40, 70)])
+def test_gemm_row_is_the_same_whatever_the_row_count(dtype: torch.dtype, n: int, k: int, amx: bool) -> None:
+    if amx and dtype == torch.float32:
+        pytest.skip("the AMX path is bf16 only")
     gen = torch.Generator().manual_seed(n * k)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    packed = cpu_invariant_gemm.pack_weight(weight)
+    packed = _pack(weight, amx)
+    assert packed.amx == amx
     row = torch.randn(1, k, generator=gen).to(dtype)
     alone = cpu_invariant_gemm.linear(row, packed, bias)
     reference = cpu_invariant_gemm.linear_reference(row, weight, bias)
@@ -42,6 +78,34 @@ def test_gemm_row_is_the_same_whatever_the_row_count(dtype: torch.dtype, n: int,
             finally:
                 torch.set_num_threads(previous)
             assert torch.equal(out[where], alone[0]), f"row differs at {rows} rows, {threads} threads"
+            # Every other row is right too (a tail row tile, a padded K chunk, a column tail).
+            torch.testing.assert_close(
+                out, cpu_invariant_gemm.linear_reference(batch, weight, bias), atol=tolerance, rtol=tolerance
+            )
+
+
+@pytest.mark.skipif(
+    not (cpu_invariant_gemm.is_available() and cpu_invariant_gemm.amx_enabled()),
+    reason="no AMX tiles on this CPU, in this build or granted by the OS",
+)
+def test_gemm_amx_rows_at_every_offset_of_a_tile() -> None:
+    """The same row at every position of 16- and 32-row tiles, among rows of any magnitude, on a
+    strided input (a view of a wider tensor, as the model's fused projections hand over)."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 200, 576
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    packed = _pack(weight, True)
+    row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    alone = cpu_invariant_gemm.linear(row, packed)
+    for rows in (33, 48):
+        wide = (torch.randn(rows, k + 64, generator=gen) * 100).to(torch.bfloat16)
+        batch = wide[:, :k]
+        for where in range(rows):
+            saved = batch[where].clone()
+            batch[where] = row[0]
+            out = cpu_invariant_gemm.linear(batch, packed)
+            assert torch.equal(out[where], alone[0]), f"row {where} of {rows} differs"
+            batch[where] = saved
 
 
 def _cache(dtype: torch.dtype, blocks: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
