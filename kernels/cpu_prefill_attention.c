@@ -95,10 +95,9 @@ typedef struct {
 // Per sequence: its K^T and V for every KV head (Lp: the context rounded up to KB keys, Dp:
 // head_dim rounded up to 64; the padding is zero). fp32 path: kt [KVH, D, Lp], v [KVH, Lp, Dp].
 // VDPBF16PS path, bf16 pairs in the same memory: kt [KVH, D / 2, Lp, 2] (two dims of one key side
-// by side) and v [KVH, Lp / 2, D, 2] (one dim of two keys side by side). AMX path, bf16, each
-// 1 KiB tile contiguous (16 rows of 64 bytes): kt [KVH, Lp / 16, D / 32, 16, 16, 2] (a B tile of
-// S = Q K^T: row = a pair of dims, 16 keys x 2 dims) and v [KVH, Lp / 32, D / 16, 16, 16, 2] (a B
-// tile of P.V: row = a pair of keys, 16 dims x 2 keys).
+// by side) and v [KVH, Lp / 2, D, 2] (one dim of two keys side by side). AMX path, bf16: kt holds
+// K itself, [KVH, Lp, D] (its A tiles of 16 keys x 32 dims are rows D * 2 bytes apart), and v holds
+// V^T as contiguous 1 KiB A tiles of 16 dims x 32 keys, [KVH, Lp / 32, D / 16, 16, 32].
 typedef struct {
     float *kt;
     float *v;
@@ -118,12 +117,11 @@ static int convert_kv(const Params *p, int64_t s, const SeqKV *kv, int64_t Dp, i
         for (int64_t h = 0; h < KV; h++) {
             if (p->use_amx) {
                 const uint16_t *kr = (const uint16_t *)p->k + base + h * D, *vs = (const uint16_t *)p->v + base + h * D;
-                // Dims 2i, 2i + 1 of key t: row i % 16 of K tile (t / 16, i / 16), column pair t % 16.
-                uint16_t *kt = (uint16_t *)kv->kt + h * D * Lp + (t / 16) * (D / 32) * 512 + (t % 16) * 2;
-                for (int64_t i = 0; i < D / 2; i++) memcpy(kt + (i / 16) * 512 + (i % 16) * 32, kr + 2 * i, 4);
-                // Dim d of key t: row (t % 32) / 2 of V tile (t / 32, d / 16), column d % 16, lane t % 2.
-                uint16_t *vt = (uint16_t *)kv->v + h * D * Lp + (t / 32) * (D / 16) * 512 + (t % 32) / 2 * 32 + t % 2;
-                for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 2] = vs[d];
+                // K row-major [Lp, D] (A tiles of 16 keys x 32 dims); dim d of key t in V^T tile
+                // (t / 32, d / 16), row d % 16, column t % 32 (A tiles of 16 dims x 32 keys).
+                memcpy((uint16_t *)kv->kt + h * D * Lp + t * D, kr, (size_t)D * sizeof(uint16_t));
+                uint16_t *vt = (uint16_t *)kv->v + h * D * Lp + (t / 32) * (D / 16) * 512 + t % 32;
+                for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 32] = vs[d];
                 continue;
             }
             if (p->use_dp) {
@@ -352,52 +350,31 @@ static void run_unit(const Params *p, const Unit *u, const SeqKV *kv, int64_t Dp
 }
 
 #if HAVE_AMX
-// The online softmax of one block of scores for the AMX path: w->s [QT, KB] raw products Q.K, scaled
-// here, capped, masked (keys past the query or before its window, and keys past the block's kb);
-// writes the probabilities as bf16 into w->pbf [QT, KB] and updates m, l and alpha. Score lanes past
-// kb may hold stale values (tiles not computed for them): the mask replaces them.
-static inline void softmax_block_amx(const Params *p, Scratch *w, int64_t pos0, int64_t rows, int64_t j0,
-                                     int64_t kb) {
-    const __m512 scale = _mm512_set1_ps(p->scale), minus_inf = _mm512_set1_ps(-INFINITY);
-    for (int64_t r = 0; r < QT; r++) {
-        const float *sr = w->s + r * KB;
-        const int64_t pos = pos0 + (r < rows ? r : rows - 1);
-        // Visible keys of the block, as offsets from j0: [lo, hi).
-        const int64_t hi = pos - j0 + 1 < kb ? pos - j0 + 1 : kb, lo0 = first_key(p, pos) - j0;
-        const int64_t lo = lo0 > 0 ? lo0 : 0;
-        const uint64_t below_hi = hi <= 0 ? 0 : hi >= 64 ? ~0ull : (1ull << hi) - 1;
-        const uint64_t visible = lo >= 64 ? 0 : below_hi & ~((1ull << lo) - 1);
-        __m512 x[KB / 16], mx = minus_inf;
-        for (int c = 0; c < KB / 16; c++) {
-            __m512 xc = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), scale);
-            if (p->has_soft_cap) xc = (__m512)vsoft_cap16((v16f)xc, p->soft_cap);
-            x[c] = _mm512_mask_mov_ps(minus_inf, (__mmask16)(visible >> (16 * c)), xc);
-            mx = _mm512_max_ps(mx, x[c]);
-        }
-        const float block_max = _mm512_reduce_max_ps(mx);
-        const float m_new = block_max > w->m[r] ? block_max : w->m[r];
-        uint16_t *pr = w->pbf + r * KB;
-        if (m_new == -INFINITY) {  // nothing visible yet: the block is before this row's window
-            w->alpha[r] = 1.0f;
-            memset(pr, 0, KB * sizeof(uint16_t));
-            continue;
-        }
-        const __m512 mn = _mm512_set1_ps(m_new);
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < KB / 16; c++) {
-            const __m512 pc = (__m512)vexp_nonpos16((v16f)_mm512_sub_ps(x[c], mn));
-            sum = _mm512_add_ps(sum, pc);
-            _mm256_storeu_si256((__m256i *)(pr + 16 * c), (__m256i)_mm512_cvtneps_pbh(pc));
-        }
-        w->alpha[r] = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
-        w->l[r] = w->l[r] * w->alpha[r] + _mm512_reduce_add_ps(sum);
-        w->m[r] = m_new;
-    }
+// 2^x for x <= 0, 16 lanes: 2^n * 2^f with n = round(x), |f| <= 1/2, 2^f by its Taylor polynomial
+// to degree 6 (relative error about 1.2e-7, near fp32's own rounding). x is clamped at -126 (the
+// result stays normal, about 1.2e-38: no denormals in the sums); masked lanes are zeroed apart.
+static inline __m512 exp2_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 y = _mm512_set1_ps(1.5403530393e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718056e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
 }
 
-// run_unit with TDPBF16PS; the calling thread has loaded a configuration of every tile as 16 rows x
-// 64 bytes. Tiles: 0-3 the scores of four 16-key sub-blocks (then the P.V accumulators), 4-5 B tiles
-// (K or V), 6-7 A tiles (Q, then P).
+// run_unit with TDPBF16PS, transposed so that the softmax runs down columns: one vector holds one
+// key's scores for the tile's 16 queries, and the row maxima and sums are plain vector max and add,
+// no horizontal reductions and no per-row scalar work. S^T [KB keys, QT] = K Q^T (A: 16 keys x 32
+// dims of K, row-major; B: Q^T in pairs), O^T [D, QT] += V^T P^T (A: 16 dims x 32 keys of V^T; B:
+// P^T in pairs). The calling thread has loaded a configuration of every tile as 16 rows x 64 bytes.
+// Tiles: 0-3 accumulators (S^T of four 16-key sub-blocks, then O^T), 4-5 A tiles, 6-7 B tiles.
+// Scratch: w->q holds Q^T [D / 2, QT, 2] bf16, w->acc O^T [D / 16, 16, QT] fp32, w->s S^T [KB, QT],
+// w->pbf P^T [KB / 2, QT, 2] bf16.
 static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratch *w) {
     const int64_t H = p->num_heads, D = p->head_dim, G = H / p->num_kv_heads;
     const int64_t s = u->seq, h = u->head, kvh = h / G;
@@ -405,79 +382,151 @@ static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratc
     const int64_t first = u->first, rows = n - first < QT ? n - first : QT;
     const int64_t Lp = kv->padded_len, DC = D / 32, DV = D / 16;  // 32-dim K chunks, 16-dim V chunks
     const uint16_t *kt = (const uint16_t *)kv->kt + kvh * D * Lp, *vt = (const uint16_t *)kv->v + kvh * D * Lp;
-    uint16_t *q = (uint16_t *)w->q;  // [QT, D] bf16, unscaled: the scale multiplies the scores
+    uint32_t *qt = (uint32_t *)w->q;
+    const int64_t pos0 = L - n + first, key_end = pos0 + rows;
     // Rows past the chunk's end repeat its last query: computed and never stored.
+    int32_t pos_r[QT];
     for (int64_t r = 0; r < QT; r++) {
         const int64_t i = first + (r < rows ? r : rows - 1);
-        memcpy(q + r * D, (const uint16_t *)p->q + ((p->query_start[s] + i) * H + h) * D, (size_t)D * 2);
-        memset(w->acc + r * D, 0, (size_t)D * sizeof(float));
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
+        const uint32_t *qr = (const uint32_t *)((const uint16_t *)p->q + ((p->query_start[s] + i) * H + h) * D);
+        for (int64_t d2 = 0; d2 < D / 2; d2++) {
+            uint32_t pair;
+            memcpy(&pair, qr + d2, sizeof pair);  // (a bf16 pair: q may be 2-byte aligned only)
+            qt[d2 * QT + r] = pair;
+        }
+        pos_r[r] = (int32_t)(pos0 + (r < rows ? r : rows - 1));
     }
-    const int64_t pos0 = L - n + first, key_end = pos0 + rows;
+    memset(w->acc, 0, (size_t)(D * QT) * sizeof(float));
+    const __m512i pos = _mm512_loadu_si512(pos_r);
+    // The window as a bound on (query position - key position); a causal window fits int32 (the
+    // context does).
+    const __m512i window = _mm512_set1_epi32((int32_t)(p->window < INT32_MAX ? p->window : INT32_MAX));
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    // Scores in the log2 domain: t = s * scale * log2(e) (after the cap, where there is one), so the
+    // probabilities are 2^(t - m).
+    const __m512 to_t = _mm512_set1_ps(p->has_soft_cap ? p->scale : p->scale * 1.44269504088896341f);
+    // interleave[2q] = q, interleave[2q + 1] = 16 + q: pairs two keys' bf16 for one query.
+    int16_t il[32];
+    for (int q2 = 0; q2 < 16; q2++) {
+        il[2 * q2] = (int16_t)q2;
+        il[2 * q2 + 1] = (int16_t)(16 + q2);
+    }
+    const __m512i interleave = _mm512_loadu_si512(il);
+    __m512 m = minus_inf, l = _mm512_setzero_ps();
+    const int64_t last_first_key = first_key(p, pos0 + rows - 1);
     for (int64_t j0 = first_key(p, pos0) / KB * KB; j0 < key_end; j0 += KB) {
         const int64_t kb = key_end - j0 < KB ? key_end - j0 : KB;
-        const int64_t subs = (kb + 15) / 16, halves = (kb + 31) / 32;  // 16-key and 32-key pieces used
-        // S [QT, KB] = Q K^T, one 16 x 16 tile per 16 keys, 32 dims per product.
-        const uint16_t *kblock = kt + (j0 / 16) * DC * 512;
+        const int64_t subs = (kb + 15) / 16, keys = (kb + 31) / 32 * 32;  // sub-blocks; keys in P^T
+        // S^T [KB, QT] = K Q^T, one 16 x 16 tile per 16 keys, 32 dims per product.
+        const uint16_t *kblock = kt + j0 * D;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t c = 0; c < DC; c++) {
-            const uint16_t *kc = kblock + c * 512;
-            _tile_loadd(6, q + 32 * c, D * 2);
-            _tile_loadd(4, kc, 64);
-            _tile_dpbf16ps(0, 6, 4);
+            _tile_loadd(6, qt + c * 16 * QT, 64);
+            _tile_loadd(4, kblock + 32 * c, D * 2);
+            _tile_dpbf16ps(0, 4, 6);
             if (subs > 1) {
-                _tile_loadd(5, kc + DC * 512, 64);
-                _tile_dpbf16ps(1, 6, 5);
+                _tile_loadd(5, kblock + 16 * D + 32 * c, D * 2);
+                _tile_dpbf16ps(1, 5, 6);
             }
             if (subs > 2) {
-                _tile_loadd(4, kc + 2 * DC * 512, 64);
-                _tile_dpbf16ps(2, 6, 4);
+                _tile_loadd(4, kblock + 32 * D + 32 * c, D * 2);
+                _tile_dpbf16ps(2, 4, 6);
             }
             if (subs > 3) {
-                _tile_loadd(5, kc + 3 * DC * 512, 64);
-                _tile_dpbf16ps(3, 6, 5);
+                _tile_loadd(5, kblock + 48 * D + 32 * c, D * 2);
+                _tile_dpbf16ps(3, 5, 6);
             }
         }
-        _tile_stored(0, w->s, KB * 4);
-        if (subs > 1) _tile_stored(1, w->s + 16, KB * 4);
-        if (subs > 2) _tile_stored(2, w->s + 32, KB * 4);
-        if (subs > 3) _tile_stored(3, w->s + 48, KB * 4);
-        softmax_block_amx(p, w, pos0, rows, j0, kb);
-        // acc [QT, D] = acc * alpha + P V, 32 dims (two tiles) at a time.
-        for (int64_t r = 0; r < QT; r++) {
-            if (w->alpha[r] == 1.0f) continue;
-            const __m512 a = _mm512_set1_ps(w->alpha[r]);
-            float *ar = w->acc + r * D;
-            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
+        float *st = w->s;
+        _tile_stored(0, st, 64);
+        if (subs > 1) _tile_stored(1, st + 256, 64);
+        if (subs > 2) _tile_stored(2, st + 512, 64);
+        if (subs > 3) _tile_stored(3, st + 768, 64);
+        // Masks only where some query misses some key of the block: the diagonal, a window's edge,
+        // keys past kb (S^T rows there are stale: the mask replaces them, and zeroes their P).
+        const int masked = kb < KB || j0 + KB - 1 > pos0 || last_first_key > j0;
+        __mmask16 vis[KB];
+        __m512 mx = minus_inf;
+        for (int64_t k = 0; k < keys; k++) {
+            __m512 t = _mm512_loadu_ps(st + 16 * k);
+            if (p->has_soft_cap)
+                t = _mm512_mul_ps((__m512)vsoft_cap16((v16f)_mm512_mul_ps(t, to_t), p->soft_cap), log2e);
+            else
+                t = _mm512_mul_ps(t, to_t);
+            if (masked) {  // query r sees key j iff j <= pos_r and pos_r - j < window
+                const __m512i key = _mm512_set1_epi32((int32_t)(j0 + k));
+                const __m512i behind = _mm512_sub_epi32(pos, key);
+                vis[k] = _mm512_cmpge_epi32_mask(behind, _mm512_setzero_si512()) &
+                         _mm512_cmplt_epi32_mask(behind, window);
+                t = _mm512_mask_mov_ps(minus_inf, vis[k], t);
+            }
+            mx = _mm512_max_ps(mx, t);
+            _mm512_storeu_ps(st + 16 * k, t);
         }
-        _tile_loadd(6, w->pbf, KB * 2);
-        if (halves > 1) _tile_loadd(7, w->pbf + 32, KB * 2);
+        const __m512 m_new = _mm512_max_ps(m, mx);
+        // Rows that see nothing yet (a window ahead of the block) keep m = -inf; they subtract 0,
+        // and their P is all masked.
+        const __mmask16 seen = _mm512_cmp_ps_mask(m_new, minus_inf, _CMP_NEQ_OQ);
+        const __m512 m_use = _mm512_maskz_mov_ps(seen, m_new);
+        const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, minus_inf, _CMP_NEQ_OQ),
+                                                 exp2_nonpos(_mm512_sub_ps(m, m_use)));
+        m = m_new;
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+        uint16_t *pt = w->pbf;
+        for (int64_t k = 0; k < keys; k += 2) {
+            __m512 p0 = exp2_nonpos(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * k), m_use));
+            __m512 p1 = exp2_nonpos(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * k + 16), m_use));
+            if (masked) {
+                p0 = _mm512_maskz_mov_ps(vis[k], p0);
+                p1 = _mm512_maskz_mov_ps(vis[k + 1], p1);
+            }
+            sum0 = _mm512_add_ps(sum0, p0);
+            sum1 = _mm512_add_ps(sum1, p1);
+            // bf16 of keys k (low half) and k + 1 (high half), then interleaved per query.
+            const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_storeu_si512(pt + 16 * k, _mm512_permutexvar_epi16(interleave, pair));
+        }
+        l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
+        // O^T = O^T * alpha (per query: per column) + V^T P^T, 32 dims (two tiles) at a time.
+        if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ))
+            for (int64_t d = 0; d < D; d++)
+                _mm512_storeu_ps(w->acc + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(w->acc + 16 * d), alpha));
+        _tile_loadd(6, pt, 64);
+        if (keys > 32) _tile_loadd(7, pt + 512, 64);
         const uint16_t *v0 = vt + (j0 / 32) * DV * 512, *v1 = v0 + DV * 512;
         for (int64_t c = 0; c < DV; c += 2) {
-            _tile_loadd(0, w->acc + 16 * c, D * 4);
-            _tile_loadd(1, w->acc + 16 * c + 16, D * 4);
+            float *a0 = w->acc + c * 256;
+            _tile_loadd(0, a0, 64);
+            _tile_loadd(1, a0 + 256, 64);
             _tile_loadd(4, v0 + c * 512, 64);
             _tile_loadd(5, v0 + c * 512 + 512, 64);
-            _tile_dpbf16ps(0, 6, 4);
-            _tile_dpbf16ps(1, 6, 5);
-            if (halves > 1) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            if (keys > 32) {
                 _tile_loadd(4, v1 + c * 512, 64);
                 _tile_loadd(5, v1 + c * 512 + 512, 64);
-                _tile_dpbf16ps(0, 7, 4);
-                _tile_dpbf16ps(1, 7, 5);
+                _tile_dpbf16ps(0, 4, 7);
+                _tile_dpbf16ps(1, 5, 7);
             }
-            _tile_stored(0, w->acc + 16 * c, D * 4);
-            _tile_stored(1, w->acc + 16 * c + 16, D * 4);
+            _tile_stored(0, a0, 64);
+            _tile_stored(1, a0 + 256, 64);
         }
     }
+    // out[r, d] = O^T[d, r] / l[r]: row r is column r of each 16 x 16 block of O^T.
+    float inv[QT];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(QT));
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *o = (uint16_t *)p->out + ((p->query_start[s] + first + r) * H + h) * D;
-        const float inv = 1.0f / w->l[r], *a = w->acc + r * D;
-        for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(a[d] * inv);
+        const __m512 ir = _mm512_set1_ps(inv[r]);
+        for (int64_t c = 0; c < DV; c++) {
+            const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, w->acc + c * 256 + r, 4), ir);
+            _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
+        }
     }
 }
 #endif

@@ -1,0 +1,108 @@
+"""The CPU paged prefill attention kernel's AMX path (bf16, TDPBF16PS tiles) against a float64
+reference: ragged prompts, chunks over a cached prefix, GQA, head_dim 64 to 256, block sizes 16 and
+32, sliding windows and soft-capping, one and two threads; and against the VDPBF16PS path it
+replaces. Skipped on a CPU without amx_bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qworker_kernels import cpu_prefill_attention as kernel
+from qworker_kernels.testing import make_paged_batch
+
+
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not kernel.is_available(), reason="no C compiler to build the CPU kernels"),
+    pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="the CPU has no amx_bf16: the AMX path is not built"),
+]
+
+TOLERANCE = 2e-2  # as the kernel's other bf16 tests: bf16 inputs, probabilities rounded to bf16
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_amx_path_is_taken():
+    # On an AMX CPU the kernel is built for AMX and Linux grants the tile state: if this fails, every
+    # other test here checks the VDPBF16PS path instead.
+    assert kernel.amx_available()
+
+
+def _run(seqs, *, head_dim, num_heads, num_kv_heads, block_size, scale=None, allow_amx=True, **extras):
+    batch = make_paged_batch(
+        seqs,
+        block_size=block_size,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=torch.bfloat16,
+    )
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    scale = batch.scale if scale is None else scale
+    out = torch.full_like(batch.q, float("nan"))
+    kernel.paged_prefill_attention(*args, 0, len(seqs), scale, out, allow_amx=allow_amx, **extras)
+    want = kernel.paged_prefill_attention_reference(*args, 0, len(seqs), scale, **extras)
+    return out, want
+
+
+CASES = {
+    # (cached prefix, chunk) per sequence
+    "ragged": [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (0, 64), (0, 65), (0, 300)],
+    "chunked": [(512, 64), (100, 33), (1500, 100), (31, 200), (63, 1), (64, 2)],
+    "one-long": [(0, 777)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("head_dim", "num_heads", "num_kv_heads"), [(64, 9, 3), (64, 4, 4), (128, 8, 2), (128, 4, 1)]
+)
+def test_matches_reference(case, block_size, head_dim, num_heads, num_kv_heads, threads):
+    out, want = _run(
+        CASES[case], head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 160, 256])
+def test_other_head_dims(head_dim, threads):
+    out, want = _run(CASES["chunked"], head_dim=head_dim, num_heads=4, num_kv_heads=2, block_size=16)
+    torch.testing.assert_close(out, want, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("window", "soft_cap"), [(1, None), (37, None), (64, 2.5), (None, 2.5), (400, None)])
+def test_sliding_window_and_soft_cap(block_size, window, soft_cap, threads):
+    seqs = [(0, 100), (0, 7), (200, 33), (20, 50), (0, 1), (300, 1), (700, 130)]
+    extras = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    # Scores of a few units: a cap of 2.5 bends most of them.
+    out, want = _run(
+        seqs, head_dim=64, num_heads=8, num_kv_heads=2, block_size=block_size, scale=3 / 8, **extras
+    )
+    torch.testing.assert_close(out, want, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_agrees_with_the_vdpbf16ps_path():
+    # Both paths round the same bf16 inputs and probabilities; only the order of the fp32 sums
+    # differs, so they agree far more closely than either does with the float64 reference.
+    kwargs = {"head_dim": 64, "num_heads": 9, "num_kv_heads": 3, "block_size": 16}
+    amx, want = _run(CASES["chunked"], **kwargs)
+    vdp, _ = _run(CASES["chunked"], allow_amx=False, **kwargs)
+    torch.testing.assert_close(amx, vdp, atol=1e-2, rtol=1e-2)
+    assert (amx.float() - vdp.float()).abs().max() <= (vdp.float() - want.float()).abs().max()
