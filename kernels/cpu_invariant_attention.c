@@ -13,6 +13,14 @@
 //
 // Work is split over (query tile, KV head) pairs; the query heads of one KV head and the tokens of
 // one query tile share each key tile's transposed keys. Threads never split one token's keys.
+//
+// bf16 with AVX512-BF16 (built with -march=native on such a CPU): the same tiles and the same
+// online softmax, both products by VDPBF16PS on bf16 pairs (unit_dp): a tile's keys are transposed
+// once into pair rows (kt[p][j] = dims 2p, 2p + 1 of key j), so a score is two fixed chains over
+// the pairs (even and odd p) added once; the probabilities are rounded to bf16 (as the default
+// prefill kernel does) and P.V runs over key pairs in position order into fp32. Every token runs
+// that one code path, prefill or decode, so the invariance argument above is unchanged; the bits
+// differ from the fp32-FMA path's, which bf16 takes on CPUs without AVX512-BF16.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,6 +46,188 @@ static inline float load1(const void *p, int64_t i, int is_bf16) {
 }
 
 #define QW_MAX_ROWS 32  // query rows (tokens x heads of one KV head) sharing one tile's keys
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QW_HAVE_DP 1
+
+// In place: r[i] (row i of a 16 x 16 matrix of 32-bit elements) becomes column i.
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4 g + c], 128-bit lane L: column 4 L + c of rows 4 g .. 4 g + 3.
+    __m512i u[16];
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+}
+
+// One work item (tokens t0 .. t0 + nt - 1 of one sequence at consecutive positions, KV head kvh)
+// in bf16 with VDPBF16PS; see the header comment. q, out: bf16 [tokens, H, D]; caches bf16.
+static void unit_dp(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                    const int32_t *table, const int32_t *token_pos, int64_t t0, int64_t nt, int64_t kvh,
+                    int64_t group, int64_t head_dim, int64_t block_size, int64_t row_elems, float scale,
+                    int64_t window, int has_soft_cap, float soft_cap, uint16_t *out, int64_t out_stride) {
+    const int64_t pairs = head_dim / 2, pblocks = (pairs + 15) / 16, dv = head_dim / 16;
+    uint32_t qp[QW_MAX_ROWS + 1][QW_MAX_D / 2] __attribute__((aligned(64)));  // row QW_MAX_ROWS: zeros
+    __m512 acc[QW_MAX_ROWS + 1][QW_MAX_D / 16];
+    float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
+    int64_t first_key[QW_MAX_ROWS];
+    uint32_t kt[QW_MAX_D / 2][QW_KT] __attribute__((aligned(64)));      // kt[p][j]: pair p of key j
+    uint32_t vp[QW_KT / 2][QW_MAX_D] __attribute__((aligned(64)));      // vp[jp][d]: v[2 jp][d], v[2 jp + 1][d]
+    memset(qp[QW_MAX_ROWS], 0, sizeof qp[QW_MAX_ROWS]);
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t pos = token_pos[t0 + i];
+        first_key[i] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = i * group + g, h = kvh * group + g;
+            memcpy(qp[r], q + (t0 + i) * q_stride + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
+            for (int64_t c = 0; c < dv; c++) acc[r][c] = _mm512_setzero_ps();
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+    }
+    // permutex2var indices interleaving two rows of 32 bf16 (a: 0-31, b: 32-63) into pairs.
+    __m512i idx_lo, idx_hi;
+    {
+        uint16_t lo[32], hi[32];
+        for (int i = 0; i < 32; i++) {
+            lo[i] = (uint16_t)((i & 1 ? 32 : 0) + i / 2);
+            hi[i] = (uint16_t)((i & 1 ? 32 : 0) + 16 + i / 2);
+        }
+        idx_lo = _mm512_loadu_si512(lo);
+        idx_hi = _mm512_loadu_si512(hi);
+    }
+    const int64_t last_pos = token_pos[t0 + nt - 1];
+    const int64_t lowest = first_key[0];
+    for (int64_t tile0 = lowest / QW_KT * QW_KT; tile0 <= last_pos; tile0 += QW_KT) {
+        const int64_t any_lo = lowest > tile0 ? lowest - tile0 : 0;
+        const int64_t any_hi = last_pos - tile0 + 1 < QW_KT ? last_pos - tile0 + 1 : QW_KT;
+        const uint16_t *krow[QW_KT], *vrow[QW_KT];  // NULL: a key no token of the item reads (zeros)
+        for (int64_t j = 0; j < QW_KT; j++) {
+            if (j < any_lo || j >= any_hi) {
+                krow[j] = vrow[j] = NULL;
+                continue;
+            }
+            const int64_t p = tile0 + j;
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+            krow[j] = k_cache + slot * row_elems + kvh * head_dim;
+            vrow[j] = v_cache + slot * row_elems + kvh * head_dim;
+        }
+        // K^T in pair rows, 16 pairs at a time.
+        for (int64_t pb = 0; pb < pblocks; pb++) {
+            const int64_t n_p = pairs - pb * 16 < 16 ? pairs - pb * 16 : 16;
+            const __mmask16 pm = (__mmask16)((1u << n_p) - 1u);
+            __m512i rows[QW_KT];
+            for (int j = 0; j < QW_KT; j++)
+                rows[j] = krow[j] ? _mm512_maskz_loadu_epi32(pm, (const uint32_t *)krow[j] + pb * 16)
+                                  : _mm512_setzero_si512();
+            transpose16_epi32(rows);
+            for (int64_t pp = 0; pp < n_p; pp++) _mm512_store_si512(kt[pb * 16 + pp], rows[pp]);
+        }
+        // V in key pairs, 32 dims at a time.
+        for (int jp = 0; jp < QW_KT / 2; jp++) {
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+                const int64_t n_d = head_dim - d0 < 32 ? head_dim - d0 : 32;
+                const __mmask32 dm = (__mmask32)(n_d == 32 ? 0xffffffffu : (1u << n_d) - 1u);
+                const __m512i a = vrow[2 * jp] ? _mm512_maskz_loadu_epi16(dm, vrow[2 * jp] + d0)
+                                               : _mm512_setzero_si512();
+                const __m512i b = vrow[2 * jp + 1] ? _mm512_maskz_loadu_epi16(dm, vrow[2 * jp + 1] + d0)
+                                                   : _mm512_setzero_si512();
+                _mm512_store_si512(vp[jp] + d0, _mm512_permutex2var_epi16(a, idx_lo, b));
+                if (n_d > 16) _mm512_store_si512(vp[jp] + d0 + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
+            }
+        }
+        int64_t active[QW_MAX_ROWS + 3];
+        int64_t num_active = 0;
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t pos = token_pos[t0 + i], start = first_key[i];
+            if (tile0 > pos || tile0 + QW_KT <= start) continue;
+            for (int64_t g = 0; g < group; g++) active[num_active++] = i * group + g;
+        }
+        for (int64_t a = num_active; a < num_active + 3; a++) active[a] = QW_MAX_ROWS;
+        for (int64_t a = 0; a < num_active; a += 4) {
+            // Scores, four rows at once: per row two chains (even and odd pairs), then their sum.
+            __m512 se[4], so[4];
+            for (int u = 0; u < 4; u++) se[u] = so[u] = _mm512_setzero_ps();
+            for (int64_t p = 0; p < pairs; p += 2) {
+                const __m512bh k0 = (__m512bh)_mm512_load_si512(kt[p]);
+                const __m512bh k1 = (__m512bh)_mm512_load_si512(kt[p + 1]);
+                for (int u = 0; u < 4; u++) {
+                    const uint32_t *qr = qp[active[a + u]];
+                    se[u] = _mm512_dpbf16_ps(se[u], (__m512bh)_mm512_set1_epi32((int)qr[p]), k0);
+                    so[u] = _mm512_dpbf16_ps(so[u], (__m512bh)_mm512_set1_epi32((int)qr[p + 1]), k1);
+                }
+            }
+            uint32_t pw[4][QW_KT / 2] __attribute__((aligned(32)));  // bf16 probabilities, in pairs
+            for (int u = 0; u < 4; u++) {
+                const int64_t r = active[a + u];
+                if (r == QW_MAX_ROWS) {
+                    memset(pw[u], 0, sizeof pw[u]);
+                    continue;
+                }
+                const int64_t i = r / group;
+                const int64_t pos = token_pos[t0 + i], start = first_key[i];
+                const int64_t lo = start > tile0 ? start - tile0 : 0;
+                const int64_t hi = pos - tile0 + 1 < QW_KT ? pos - tile0 + 1 : QW_KT;
+                const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+                v16f sc = (v16f)_mm512_add_ps(se[u], so[u]) * splat16(scale);
+                if (has_soft_cap) sc = vsoft_cap16(sc, soft_cap);
+                sc = (v16f)_mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, (__m512)sc);
+                const float tile_max = hmax16(sc);
+                const float m_new = m[r] > tile_max ? m[r] : tile_max;
+                const float alpha = expf(m[r] - m_new);  // 0 at the first tile (m = -inf)
+                const v16f pv = vexp_nonpos16(sc - splat16(m_new));  // exactly 0 on invalid lanes
+                l[r] = l[r] * alpha + hsum16(pv);
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int64_t c = 0; c < dv; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], va);
+                m[r] = m_new;
+                _mm256_store_si256((__m256i *)pw[u], (__m256i)_mm512_cvtneps_pbh((__m512)pv));
+            }
+            // P.V over key pairs in position order; a zero probability adds an exact zero.
+            for (int jp = 0; jp < QW_KT / 2; jp++) {
+                const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)pw[0][jp]);
+                const __m512bh w1 = (__m512bh)_mm512_set1_epi32((int)pw[1][jp]);
+                const __m512bh w2 = (__m512bh)_mm512_set1_epi32((int)pw[2][jp]);
+                const __m512bh w3 = (__m512bh)_mm512_set1_epi32((int)pw[3][jp]);
+                for (int64_t c = 0; c < dv; c++) {
+                    const __m512bh vv = (__m512bh)_mm512_load_si512(vp[jp] + 16 * c);
+                    acc[active[a]][c] = _mm512_dpbf16_ps(acc[active[a]][c], w0, vv);
+                    acc[active[a + 1]][c] = _mm512_dpbf16_ps(acc[active[a + 1]][c], w1, vv);
+                    acc[active[a + 2]][c] = _mm512_dpbf16_ps(acc[active[a + 2]][c], w2, vv);
+                    acc[active[a + 3]][c] = _mm512_dpbf16_ps(acc[active[a + 3]][c], w3, vv);
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < nt; i++) {
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = i * group + g, h = kvh * group + g;
+            uint16_t *oh = out + (t0 + i) * out_stride + h * head_dim;
+            const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+            for (int64_t c = 0; c < dv; c++)
+                _mm256_storeu_si256((__m256i *)(oh + 16 * c),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+        }
+    }
+}
+#endif
 
 // q, out: [num_tokens, H, D] (token stride q_stride / out_stride elements, heads packed);
 // caches: [num_blocks, block_size, KVH, D]; block_tables: [num_seqs, max_blocks] int32;
@@ -84,6 +274,14 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         const int64_t run = w / num_kv_heads, kvh = w % num_kv_heads;
         const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
         const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
+#if defined(QW_HAVE_DP)
+        if (is_bf16) {
+            unit_dp((const uint16_t *)q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table,
+                    token_pos, t0, nt, kvh, group, head_dim, block_size, row_elems, scale, window, has_soft_cap,
+                    soft_cap, (uint16_t *)out, out_stride);
+            continue;
+        }
+#endif
         v16f qv[QW_MAX_ROWS + 1][QW_MAX_D / 16];  // row QW_MAX_ROWS: zeros, the padding row
         v16f acc[QW_MAX_ROWS + 1][QW_MAX_D / 16];  // row QW_MAX_ROWS: the padding row's
         float m[QW_MAX_ROWS], l[QW_MAX_ROWS];

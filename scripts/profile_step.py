@@ -40,6 +40,7 @@ CATEGORIES = (
     "attention: kv write",
     "attention: decode kernel",
     "attention: prefill",
+    "attention: invariant (kv write + kernel)",
     "norm",
     "rotary",
     "activation",
@@ -104,6 +105,8 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
             supports=prefill_kernel.supports,
             paged_prefill_attention=timers.wrap("attention: prefill", prefill_kernel.paged_prefill_attention),
         )
+    if type(backend).__name__ == "InvariantAttentionBackend":  # --batch-invariant: one call per layer
+        backend.forward = timers.wrap("attention: invariant (kv write + kernel)", backend.forward)
     runner.sampler.sample = timers.wrap("sampling", runner.sampler.sample)
     runner.prepare_inputs = timers.wrap("prepare inputs", runner.prepare_inputs)
     engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
@@ -142,11 +145,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--torch-profile", type=int, default=0, help="also print torch.profiler's top N ops")
     parser.add_argument("--json", default=None, help="write the medians here")
+    parser.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant=True")
     args = parser.parse_args()
 
     spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
     requests = requests_for_model(spec, "smollm2")
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, device="cpu"))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, device="cpu", batch_invariant=args.batch_invariant))
     # Warm-up: the kernels build and the allocator settles on a short request.
     engine.add_request("warmup", {"prompt_token_ids": [33] * 64}, sampling_params_for(requests[0]))
     while engine.has_unfinished_requests():
