@@ -48,6 +48,7 @@ import time
 from typing import Any
 
 from qworker.worker.backends.celery import keys
+from qworker.worker.backends.celery.holding import EtaHold, RevokedIds
 from qworker.worker.backends.celery.keys import TASK_NAME, transport_options
 from qworker.worker.backends.celery.url import parse_celery_url
 from qworker.worker.backends.source import JobSource, Lease
@@ -60,10 +61,6 @@ ACCEPTED_CONTENT_TYPE = "application/json"
 DEAD_LETTER_MAXLEN = 100_000
 DELIVERY_COUNT_TTL_S = 7 * 24 * 3600
 RESTORE_INTERVAL_S = 1.0
-# Revoked task ids remembered, as Celery's workers do (celery.worker.state REVOKES_MAX and
-# REVOKE_EXPIRES).
-REVOKED_MAX = 50_000
-REVOKED_TTL_S = 10_800
 PIDBOX_PATTERN = "*celery.pidbox*"
 
 # KEYS[1] unacked hash, KEYS[2] unacked index; ARGV[1] now, ARGV[2..] delivery tags.
@@ -109,12 +106,11 @@ class CelerySource(JobSource):
         self._last_restore = 0.0
         self._messages: dict[str, Any] = {}
         # delivery tag -> eta (Unix seconds) of a message just taken, for _defer.
-        self._etas: dict[str, float] = {}
         # Leased messages whose eta is still ahead: (eta, lease), and when they were last extended.
-        self._deferred: list[tuple[float, Lease]] = []
-        self._deferred_extended_at = time.monotonic()
+        self._eta_hold = EtaHold()
+        self._held_extended_at = time.monotonic()
         # task id -> when its revoke was heard (monotonic), oldest first.
-        self._revoked: dict[str, float] = {}
+        self._revoked = RevokedIds()
         self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         self._pubsub.psubscribe(PIDBOX_PATTERN)
 
@@ -130,11 +126,11 @@ class CelerySource(JobSource):
         if time.monotonic() - self._last_restore >= RESTORE_INTERVAL_S:
             self._restore_expired()
         deadline = time.monotonic() + block_s
-        leases: list[Lease] = self._due_deferred(max_count)
+        leases: list[Lease] = self._due_held(max_count)
         while len(leases) < max_count:
             lease = self._get_one()
             if lease is not None:
-                if not self._defer(lease):
+                if not self._eta_hold.hold(lease):
                     leases.append(lease)
                 continue
             if leases or time.monotonic() >= deadline:
@@ -143,24 +139,13 @@ class CelerySource(JobSource):
             time.sleep(0.02)
         return leases
 
-    def _defer(self, lease: Lease) -> bool:
-        """Hold back a message whose eta is ahead; True when it was."""
-        eta = self._etas.pop(lease.message_id, None)
-        if eta is None or eta <= time.time():
-            return False
-        self._deferred.append((eta, lease))
-        self._deferred.sort(key=lambda item: item[0])
-        return True
-
-    def _due_deferred(self, max_count: int) -> list[Lease]:
-        """Deferred messages whose eta has come (earliest first); the others' leases extended."""
-        now = time.time()
-        due = [lease for eta, lease in self._deferred if eta <= now][:max_count]
-        self._deferred = [(eta, lease) for eta, lease in self._deferred if lease not in due]
-        if self._deferred and time.monotonic() - self._deferred_extended_at >= self.lease_timeout_s / 3:
-            self._deferred_extended_at = time.monotonic()
-            lost = {id(le) for le in self.extend([lease for _, lease in self._deferred])}
-            self._deferred = [(eta, le) for eta, le in self._deferred if id(le) not in lost]
+    def _due_held(self, max_count: int) -> list[Lease]:
+        """Held-back messages whose eta has come (earliest first); the others' leases extended."""
+        due = self._eta_hold.take_due(max_count)
+        if self._eta_hold and time.monotonic() - self._held_extended_at >= self.lease_timeout_s / 3:
+            self._held_extended_at = time.monotonic()
+            lost = {id(lease) for lease in self.extend(self._eta_hold.leases())}
+            self._eta_hold.keep_only(lambda lease: id(lease) not in lost)
         return due
 
     def _get_one(self) -> Lease | None:
@@ -195,7 +180,7 @@ class CelerySource(JobSource):
             body, rejection = self.job_body(message.body)
         eta = _header_time(headers.get("eta"))
         if eta is not None and rejection is None:
-            self._etas[tag] = eta
+            self._eta_hold.note_eta(tag, eta)
         hard, soft = _time_limits(headers.get("timelimit"))
         return Lease(
             message_id=tag,
@@ -285,21 +270,13 @@ class CelerySource(JobSource):
             message = self._pubsub.get_message(timeout=0)
             if message is None:
                 break
-            for task_id in _revoked_task_ids(message.get("data")):
-                self._revoked.pop(task_id, None)
-                self._revoked[task_id] = time.monotonic()
-        cutoff = time.monotonic() - REVOKED_TTL_S
-        while self._revoked:
-            oldest, heard_at = next(iter(self._revoked.items()))
-            if heard_at >= cutoff and len(self._revoked) <= REVOKED_MAX:
-                break
-            del self._revoked[oldest]
+            self._revoked.add(_revoked_task_ids(message.get("data")))
 
     def close(self) -> None:
         # Messages held back for their eta go back to the queue for whoever serves it next.
-        for _, lease in self._deferred:
+        for lease in self._eta_hold.leases():
             self.release([lease])
-        self._deferred = []
+        self._eta_hold.clear()
         self._pubsub.close()
         try:
             self.channel.close()

@@ -49,11 +49,10 @@ import logging
 import time
 from typing import Any
 
+from qworker.worker.backends.celery.holding import EtaHold, RevokedIds
 from qworker.worker.backends.celery.source import (
     ACCEPTED_CONTENT_TYPE,
     DELIVERY_COUNT_TTL_S,
-    REVOKED_MAX,
-    REVOKED_TTL_S,
     CelerySource,
     _header_time,
     _time_limits,
@@ -91,9 +90,8 @@ class AmqpCelerySource(JobSource):
         self.delivery_store = delivery_store
         # message id -> the message, while held (dead_letter copies it).
         self._messages: dict[str, Any] = {}
-        self._etas: dict[str, float] = {}
-        self._deferred: list[tuple[float, Lease]] = []
-        self._revoked: dict[str, float] = {}
+        self._eta_hold = EtaHold()
+        self._revoked = RevokedIds()
         self.broker.call("connecting", lambda channel: None)
 
     # -- lease -------------------------------------------------------------------------------
@@ -102,13 +100,15 @@ class AmqpCelerySource(JobSource):
         if max_count <= 0:
             return []
         deadline = time.monotonic() + block_s
-        leases = self._due_deferred(max_count)
+        # Held-back messages of a channel that closed were requeued by the broker: forget them.
+        self._eta_hold.keep_only(self._is_current)
+        leases = self._eta_hold.take_due(max_count)
         queue = self.config.queue
         while len(leases) < max_count:
             message = self.broker.call("basic.get", lambda ch: ch.basic_get(queue, no_ack=False))
             if message is not None:
                 lease = self._lease_of(message)
-                if not self._defer(lease):
+                if not self._eta_hold.hold(lease):
                     leases.append(lease)
                 continue
             if leases or time.monotonic() >= deadline:
@@ -132,7 +132,7 @@ class AmqpCelerySource(JobSource):
             body, rejection = CelerySource.job_body(bytes(message.body))
         eta = _header_time(headers.get("eta"))
         if eta is not None and rejection is None:
-            self._etas[message_id] = eta
+            self._eta_hold.note_eta(message_id, eta)
         hard, soft = _time_limits(headers.get("timelimit"))
         return Lease(
             message_id=message_id,
@@ -157,22 +157,6 @@ class AmqpCelerySource(JobSource):
             pipe.expire(key, DELIVERY_COUNT_TTL_S)
             return int(pipe.execute()[0])
         return 2 if info.get("redelivered") else 1
-
-    def _defer(self, lease: Lease) -> bool:
-        eta = self._etas.pop(lease.message_id, None)
-        if eta is None or eta <= time.time():
-            return False
-        self._deferred.append((eta, lease))
-        self._deferred.sort(key=lambda item: item[0])
-        return True
-
-    def _due_deferred(self, max_count: int) -> list[Lease]:
-        now = time.time()
-        # Deferred messages of a channel that closed were requeued by the broker: forget them.
-        self._deferred = [(eta, le) for eta, le in self._deferred if self._is_current(le)]
-        due = [lease for eta, lease in self._deferred if eta <= now][:max_count]
-        self._deferred = [(eta, lease) for eta, lease in self._deferred if lease not in due]
-        return due
 
     def _is_current(self, lease: Lease) -> bool:
         return self.broker.is_open and lease.message_id.split(":", 1)[0] == str(self.broker.generation)
@@ -251,22 +235,14 @@ class AmqpCelerySource(JobSource):
             message = self.broker.call("reading revokes", lambda ch: ch.basic_get(queue, no_ack=True))
             if message is None:
                 break
-            for task_id in revoked_task_ids(message):
-                self._revoked.pop(task_id, None)
-                self._revoked[task_id] = time.monotonic()
-        cutoff = time.monotonic() - REVOKED_TTL_S
-        while self._revoked:
-            oldest, heard_at = next(iter(self._revoked.items()))
-            if heard_at >= cutoff and len(self._revoked) <= REVOKED_MAX:
-                break
-            del self._revoked[oldest]
+            self._revoked.add(revoked_task_ids(message))
 
     def close(self) -> None:
         try:
             if self.broker.is_open:
-                self.release([lease for _, lease in self._deferred])
+                self.release(self._eta_hold.leases())
         finally:
-            self._deferred = []
+            self._eta_hold.clear()
             self.broker.close()
             if self.delivery_store is not None:
                 self.delivery_store.close()
