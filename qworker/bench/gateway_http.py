@@ -33,9 +33,9 @@ from typing import Any
 
 import httpx
 
-from qworker.bench.queue_client import QueueClientSystem, _Chunk, _Done
+from qworker.bench.queue_client import QueueClientSystem, _Chunk, _Done, apply_events
 from qworker.bench.records import RequestRecord, RequestStatus
-from qworker.bench.run import IDLE_POLL_S, Run, RunClock
+from qworker.bench.run import Run, RunClock
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 
@@ -180,17 +180,8 @@ class GatewayHttpSystem(System):
         threading.Thread(target=self._read, args=(run, record, body, self._events), daemon=True).start()
 
     def advance(self, run: Run, wake: float | None) -> bool:
-        timeout = IDLE_POLL_S if wake is None else max(0.0, wake - run.now())
-        try:
-            event = self._events.get(timeout=timeout)
-        except queue.Empty:
-            return True
-        while True:
-            QueueClientSystem._apply(run, event)
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                return True
+        apply_events(run, self._events, wake)
+        return True
 
     def cancel(self, run: Run, record: RequestRecord) -> None:
         with self._lock:

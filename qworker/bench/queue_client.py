@@ -70,6 +70,35 @@ class _Done:
     queue_wait_s: float | None = None
 
 
+def apply_events(run: Run, events: queue.Queue[_Chunk | _Done], wake: float | None) -> None:
+    """Apply the reader threads' events to the run: wait for the first until `wake` (or a poll
+    interval), then take every one already there."""
+    timeout = IDLE_POLL_S if wake is None else max(0.0, wake - run.now())
+    try:
+        event = events.get(timeout=timeout)
+    except queue.Empty:
+        return
+    while True:
+        _apply(run, event)
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _apply(run: Run, event: _Chunk | _Done) -> None:
+    record = event.record
+    if record.status is not None:
+        return  # the loop timed it out first
+    if isinstance(event, _Chunk):
+        run.emit(record, event.t, 0)
+        return
+    if event.num_output_tokens is not None:
+        record.num_output_tokens = event.num_output_tokens
+    record.queue_wait_s = event.queue_wait_s
+    run.finish(record, event.status, event.t, event.error)
+
+
 def default_redis_url() -> str:
     """The Redis server at 127.0.0.1:6379 when one answers, else the embedded one."""
     import redis
@@ -272,17 +301,8 @@ class QueueClientSystem(System):
             threading.Thread(target=self._read, args=(run, record, job_id, self._events), daemon=True).start()
 
     def advance(self, run: Run, wake: float | None) -> bool:
-        timeout = IDLE_POLL_S if wake is None else max(0.0, wake - run.now())
-        try:
-            event = self._events.get(timeout=timeout)
-        except queue.Empty:
-            return True
-        while True:
-            self._apply(run, event)
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                return True
+        apply_events(run, self._events, wake)
+        return True
 
     def cancel(self, run: Run, record: RequestRecord) -> None:
         job_id = self._job_ids.get(record.request_id)
@@ -294,19 +314,6 @@ class QueueClientSystem(System):
             self._collector.put(None)
             self._collector = None
         run.meta["url"] = self.url
-
-    @staticmethod
-    def _apply(run: Run, event: _Chunk | _Done) -> None:
-        record = event.record
-        if record.status is not None:
-            return  # the loop timed it out first
-        if isinstance(event, _Chunk):
-            run.emit(record, event.t, 0)
-            return
-        if event.num_output_tokens is not None:
-            record.num_output_tokens = event.num_output_tokens
-        record.queue_wait_s = event.queue_wait_s
-        run.finish(record, event.status, event.t, event.error)
 
     def _stall_s(self, run: Run) -> float:
         return run.limits.request_timeout_s or DEFAULT_STREAM_STALL_S
