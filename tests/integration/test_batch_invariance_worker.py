@@ -8,8 +8,6 @@ processes on the real Redis.
 from __future__ import annotations
 
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,8 @@ from qworker.worker.client import Client
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobStatus
 from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from tests.integration.conftest import wait_for
+from tests.integration.streaming import StreamReader, raw_redis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -43,41 +43,6 @@ def url():
     url = unique_url(redis_base_url(), tag="invariant")
     yield url
     cleanup(raw_redis(url), url)
-
-
-def raw_redis(url: str) -> redis_lib.Redis:
-    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Reader(threading.Thread):
-    """Client.stream(job_id) in a thread, from before the job starts until its result is stored."""
-
-    def __init__(self, url: str, job_id: str) -> None:
-        super().__init__(daemon=True)
-        self.client = Client(queue=url)
-        self.job_id = job_id
-        self.chunks: list[str] = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for text in self.client.stream(self.job_id, timeout=300):
-                self.chunks.append(text)
-        except BaseException as exc:
-            self.error = exc
-
-    @property
-    def text(self) -> str:
-        return "".join(self.chunks)
 
 
 def first_attempt_text(r: redis_lib.Redis, deltas_key: str) -> str:
@@ -112,7 +77,7 @@ def test_redelivered_jobs_repeat_their_text(url: str, tmp_path: Path) -> None:
             }
         )
         job_ids = client.submit_many(jobs)
-        readers = [Reader(url, job_id) for job_id in job_ids]
+        readers = [StreamReader(url, job_id, timeout_s=300) for job_id in job_ids]
         for reader in readers:
             reader.start()
         keys = [constants.delta_stream_key(prefix, job_id) for job_id in job_ids]

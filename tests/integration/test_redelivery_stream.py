@@ -7,17 +7,16 @@ tiny random Llama with the SmolLM2 tokenizer, on the real Redis.
 from __future__ import annotations
 
 import signal
-import threading
-import time
 
 import pytest
-import redis as redis_lib
 
 from qworker.worker.backends.redis import keys as constants
 from qworker.worker.client import Client
 from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.worker.jobs import JobStatus
 from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from tests.integration.conftest import wait_for
+from tests.integration.streaming import StreamReader, raw_redis
 
 
 @pytest.fixture
@@ -25,41 +24,6 @@ def url():
     url = unique_url(redis_base_url(), tag="redelivery")
     yield url
     cleanup(raw_redis(url), url)
-
-
-def raw_redis(url: str) -> redis_lib.Redis:
-    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Reader(threading.Thread):
-    """Client.stream(job_id) in a thread, from before the job starts until its result is stored."""
-
-    def __init__(self, url: str, job_id: str) -> None:
-        super().__init__(daemon=True)
-        self.client = Client(queue=url)
-        self.job_id = job_id
-        self.chunks: list[str] = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for text in self.client.stream(self.job_id, timeout=120):
-                self.chunks.append(text)
-        except BaseException as exc:
-            self.error = exc
-
-    @property
-    def text(self) -> str:
-        return "".join(self.chunks)
 
 
 @pytest.mark.slow
@@ -83,7 +47,7 @@ def test_text_streamed_across_a_rerun_equals_the_result(url, tiny_model_dir, tmp
             {"prompt_token_ids": [1, 520, 3000, 17], "params": {"max_tokens": 400, "ignore_eos": True}}
         )
         deltas_key = constants.delta_stream_key(params["prefix"], job_id)
-        reader = Reader(url, job_id)
+        reader = StreamReader(url, job_id, timeout_s=120)
         reader.start()
         wait_for(lambda: r.xlen(deltas_key) >= 30, 60, "the victim to stream some tokens")
         victim.send_signal(stop_signal)
