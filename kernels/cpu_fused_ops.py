@@ -16,7 +16,7 @@ import ctypes
 import torch
 from qworker_kernels.cpu_build import CKernelLibrary
 
-__all__ = ["fused_add_rms_norm", "is_available", "rms_norm", "rotary", "silu_and_mul"]
+__all__ = ["argmax_rows", "fused_add_rms_norm", "is_available", "rms_norm", "rotary", "silu_and_mul"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -26,6 +26,7 @@ _LIBRARY = CKernelLibrary(
         "qw_rms_norm": [_P, _I64, _P, _P, _P, _I64, _I64, _F, _I, _I, _I],
         "qw_rotary": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I, _I],
         "qw_silu_and_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
+        "qw_argmax_rows": [_P, _I64, _I64, _I64, _I, _P, _I],
     },
     errors={1: (ValueError, "a position is outside the rotary tables")},
     # No FMA contraction: a * b - c * d must round as torch rounds it.
@@ -142,5 +143,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _lib().qw_silu_and_mul(
         x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], inter, int(x.dtype == torch.bfloat16),
         torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] fp32 or bf16 (packed rows, any row stride) -> [N] int64, the index of each
+    row's largest value as torch.argmax(dim=-1) picks it: the first of equal maxima, the first NaN
+    of a row holding one."""
+    if logits.dim() != 2 or logits.dtype not in _DTYPES or logits.shape[1] == 0:
+        raise ValueError(
+            f"logits must be [N, vocab > 0] fp32 or bf16, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    _check_rows("logits", logits, logits.dtype, logits.shape[1])
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _lib().qw_argmax_rows(
+        logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+        int(logits.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,18 +50,20 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: TokenBitmask | None = None
     ) -> list[int]:
-        """logits: [N, vocab] float32 -> N token ids. The grammar masks go first: temperature,
-        top-k/top-p/min-p then see only the tokens the grammar allows."""
+        """logits: [N, vocab] float32, or the model's dtype as the lm_head computed them -> N token
+        ids. The grammar masks go first: temperature, top-k/top-p/min-p then see only the tokens
+        the grammar allows. Greedy rows take the argmax of the logits as they are (a bf16 -> fp32
+        copy changes no order); random rows are scaled and drawn in float32."""
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} requests"
         if token_bitmask is not None:
             apply_token_bitmask_(logits, token_bitmask.row_index, token_bitmask.bitmask)
         self._apply_min_tokens(logits, rows)
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_argmax(logits)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:
             return greedy.tolist()
         index = torch.tensor(random_rows, device=logits.device)
-        sub = logits[index]
+        sub = logits[index].float()
         params = [rows[i].params for i in random_rows]
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         sub = sub / temperature[:, None]
@@ -88,6 +93,34 @@ class Sampler:
                 banned = [t for t in banned if 0 <= t < vocab]
                 if banned:
                     logits[i, banned] = float("-inf")
+
+
+@functools.cache
+def _cpu_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The C argmax of qworker_kernels.cpu_fused_ops; None where it cannot be built, or the CPU
+    kernels are off (QWORKER_DISABLE_CPU_KERNEL)."""
+    if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
+        return None
+    from qworker_kernels import cpu_fused_ops
+
+    return cpu_fused_ops.argmax_rows if cpu_fused_ops.is_available() else None
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] -> [N] int64, torch.argmax(dim=-1): the first of equal maxima, the first
+    NaN of a row holding one. On the CPU a one-pass C kernel: torch's argmax takes about 8 ms for
+    128 rows of 49,152 fp32 logits on one core, the kernel 1 ms (0.7 ms in bf16)."""
+    if (
+        logits.is_cpu
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+    ):
+        argmax = _cpu_argmax()
+        if argmax is not None:
+            return argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

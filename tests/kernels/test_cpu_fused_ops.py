@@ -120,3 +120,52 @@ def test_launchers_reject_bad_inputs():
         cpu_fused_ops.silu_and_mul(torch.randn(4, 7))
     with pytest.raises(ValueError):
         cpu_fused_ops.fused_add_rms_norm(torch.randn(4, 8), torch.randn(8, 4).t(), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_nan_and_inf_keep_torch_values(dtype):
+    # The vector rounding has no NaN case of its own: a NaN must still come out NaN, and inf as inf.
+    x = torch.randn(4, 576).to(dtype)
+    x[0, 3], x[1, 40], x[2, 575] = float("nan"), float("inf"), float("-inf")
+    weight = (torch.rand(576) + 0.5).to(dtype)
+    got, want = cpu_fused_ops.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[3], want[3])
+    gate_up = torch.randn(3, 2 * 64).to(dtype)
+    gate_up[0, 5], gate_up[1, 64 + 7], gate_up[2, 9] = float("nan"), float("inf"), float("-inf")
+    got, want = cpu_fused_ops.silu_and_mul(gate_up), silu_and_mul_torch(gate_up)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 31), (5, 33), (64, 1000), (130, 49152)])
+def test_argmax_rows_picks_as_torch_does(dtype, rows, vocab, threads):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    assert torch.equal(cpu_fused_ops.argmax_rows(logits), logits.argmax(dim=-1))
+    # Many equal maxima: the first wins, wherever it falls in the kernel's lanes.
+    ties = (logits * 2).round().clamp(max=2.0)
+    assert torch.equal(cpu_fused_ops.argmax_rows(ties), ties.argmax(dim=-1))
+    special = logits.clone()
+    special[0] = float("-inf")  # a row masked out entirely: index 0
+    if rows > 1:
+        special[1, -1] = float("nan")  # a NaN beats everything, even an inf before it
+        special[1, 0] = float("inf")
+    if rows > 2:
+        special[2, vocab // 2] = float("inf")
+        special[2, vocab - 1] = float("inf")
+    assert torch.equal(cpu_fused_ops.argmax_rows(special), special.argmax(dim=-1))
+
+
+def test_argmax_rows_of_strided_rows_and_bad_inputs():
+    base = torch.randn(6, 2, 300)
+    view = base[:, 1]
+    assert torch.equal(cpu_fused_ops.argmax_rows(view), view.argmax(dim=-1))
+    with pytest.raises(ValueError):
+        cpu_fused_ops.argmax_rows(torch.randn(4, 8).t())
+    with pytest.raises(ValueError):
+        cpu_fused_ops.argmax_rows(torch.randn(4, 0))
+    with pytest.raises(ValueError):
+        cpu_fused_ops.argmax_rows(torch.randn(8, dtype=torch.float16))
