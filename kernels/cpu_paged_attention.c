@@ -4,7 +4,9 @@
 // Built at first use by cpu_paged_attention.py with `gcc -O3 -march=native -fopenmp` and called
 // through ctypes. The vector code uses GCC vector extensions at 8 floats (one AVX2 register), not
 // intrinsics, so one source builds for any target GCC knows (checked: x86-64 baseline SSE2, same
-// results; AVX2) and the tested code is the shipped code.
+// results; AVX2) and the tested code is the shipped code. The one exception is the bf16 path of the
+// AMX Xeons (AVX512-BF16 dot products, in intrinsics; see "bf16 on Intel cores" below), which
+// replaces the scores and P.V loops there and keeps everything else.
 //
 // Layouts (all contiguous, element offsets):
 //   q, out:   [num_seqs, num_heads, head_dim]
@@ -36,6 +38,15 @@
 #include <string.h>
 
 #include "cpu_simd.h"
+
+// Software prefetches go to L1 (3), except on the AMX Xeons, where prefetching into L2 (2) was
+// about 10% faster from DRAM (bf16 and fp32, 1 thread, 128 x 400 and 32 x 1000, SmolLM2-135M
+// shapes, loaded machine; a pace 1.5x or 2x faster was 10-25% slower there, as on the EPYC).
+#if defined(__AMX_BF16__)
+#define PREFETCH_LOCALITY 2
+#else
+#define PREFETCH_LOCALITY 3
+#endif
 
 // Tokens per online-softmax step: 32 beat 8 and 64 with K/V in cache (per-chunk max, exp and
 // rescale are amortised) and tie with them from DRAM. A multiple of 8 (the score tiles).
@@ -168,7 +179,7 @@ static inline void prefetch_line(Prefetcher *pf) {
         pf->p = pf->start[pf->run];
         pf->left = pf->len[pf->run++];
     }
-    __builtin_prefetch(pf->p, 0, 3);
+    __builtin_prefetch(pf->p, 0, PREFETCH_LOCALITY);
     pf->p += 64;
     pf->left -= 64;
 }
@@ -471,6 +482,159 @@ static inline __attribute__((always_inline)) void group_pv(float *acc, const flo
     if (G - g == 1) accumulate_pv1(acc + g * D, alpha[g], p + g * C, row, n, D, bf16, pf);
 }
 
+// ---- bf16 on Intel cores with AVX512-BF16 (the AMX Xeons) -----------------------------------------
+//
+// Scores by VDPBF16PS on the raw bf16 q and K (fp32 products and sums, scale applied after), P.V by
+// 16-lane FMAs with all of a KV head's accumulators in registers. Measured on a 2-core AMX Xeon
+// (SmolLM2-135M shapes, bf16, one thread, K/V in L2): the generic 8-lane code above computes ~12
+// cycles per head and token, near the memory time per token of two cores reading at ~26 GB/s, and the
+// two added up rather than overlapped; this path computes ~4.
+// Taken only where it was measured: the AVX512-BF16 EPYC (Zen 4, 512-bit ops split in two halves)
+// keeps the generic code, whose figures there are in the notes above. -DQW_DECODE_GENERIC forces
+// the generic code (the tests compare the two).
+// Tried and dropped: AMX tiles for the scores (16 tokens x the group's heads per TDPBF16PS, K tiles
+// loaded in place when a tile's rows are evenly strided): 17% less compute with K/V in cache, no gain
+// from DRAM, where a tile load waits for its misses like any load.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_BF16__) && !defined(QW_DECODE_GENERIC)
+#define QW_DECODE_AVX512 1
+#include <immintrin.h>
+
+// Tokens per score tile of this path: chunks are padded to a multiple of it with the zero row.
+#define TILE16 16
+
+// Lane i of the result = sum of a[i]'s 16 lanes (a transpose-and-add tree, 30 shuffles, 15 adds).
+static inline __attribute__((always_inline)) __m512 reduce16x16(const __m512 *a) {
+    __m512 s1[8], s2[4], s3[2];
+    // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for the pair (a, b).
+    for (int i = 0; i < 8; i++)
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    // Per 128-bit lane: the lane's sum for each of 4 rows.
+    for (int i = 0; i < 4; i++)
+        s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+    // 128-bit lanes: [rows 0-3 lanes 0+1, rows 0-3 lanes 2+3, rows 4-7 lanes 0+1, rows 4-7 lanes 2+3].
+    for (int i = 0; i < 2; i++)
+        s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// 32 bf16 from p as the operand type of VDPBF16PS. A memcpy, not a cast of _mm512_loadu_si512:
+// GCC 12 moved each cast through the stack (a store and a reload per dot product).
+static inline __m512bh load_bh32(const uint16_t *p) {
+    __m512bh r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+// The same for 16 bf16, the upper half zero.
+static inline __m512bh load_bh16(const uint16_t *p) {
+    __m256i lo;
+    memcpy(&lo, p, sizeof lo);
+    const __m512i w = _mm512_zextsi256_si512(lo);
+    __m512bh r;
+    memcpy(&r, &w, sizeof r);
+    return r;
+}
+
+// sc[0:16] = scale * (q . row[t]) for 16 rows, q and rows bf16 [D] (D a multiple of 16).
+static inline __attribute__((always_inline)) void scores16_avx512(const uint16_t *q, const void *const *row,
+                                                                  int64_t D, float scale, float *sc,
+                                                                  Prefetcher *pf) {
+    __m512 a[TILE16];
+#pragma GCC unroll 16
+    for (int i = 0; i < TILE16; i++) a[i] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        const __m512bh qv = load_bh32(q + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < TILE16; i++) a[i] = _mm512_dpbf16_ps(a[i], qv, load_bh32((const uint16_t *)row[i] + d));
+        prefetch_paced(pf, 64);  // 16 tokens x 32 columns, in the 8-lane FMAs the pace counts
+    }
+    if (d < D) {  // D % 32 == 16: the high half of q and rows is zero
+        const __m512bh qv = load_bh16(q + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < TILE16; i++) a[i] = _mm512_dpbf16_ps(a[i], qv, load_bh16((const uint16_t *)row[i] + d));
+        prefetch_paced(pf, 32);
+    }
+    _mm512_storeu_ps(sc, _mm512_mul_ps(reduce16x16(a), _mm512_set1_ps(scale)));
+}
+
+// P.V over columns [d, d + width) for `heads` heads of a group (width 64, 32 or 16; heads 1-3):
+// acc_j = acc_j * alpha_j + sum_t p_j[t] * row[t], acc: [heads, D]. Each 32-column group of the
+// accumulators is in split order (its 16 even columns, then its 16 odd ones: a shift and a mask
+// widen bf16 pairs); a 16-column tail is in order.
+static inline __attribute__((always_inline)) void pv_avx512(float *acc, int64_t D, const float *alpha,
+                                                            const float *p, int64_t C, const void *const *row,
+                                                            int64_t n, int64_t d, int width, int heads,
+                                                            Prefetcher *pf) {
+    const int nv = width / 16;
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 a[3][4];
+#pragma GCC unroll 3
+    for (int h = 0; h < heads; h++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; j++)
+            a[h][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + d + 16 * j), _mm512_set1_ps(alpha[h]));
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *r = (const uint16_t *)row[t] + d;
+        __m512 x[4];
+        if (width >= 32) {
+#pragma GCC unroll 2
+            for (int k = 0; k < width / 32; k++) {
+                const __m512i w = _mm512_loadu_si512(r + 32 * k);
+                x[2 * k] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                x[2 * k + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+            }
+        } else {
+            x[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)r)), 16));
+        }
+#pragma GCC unroll 3
+        for (int h = 0; h < heads; h++) {
+            const __m512 b = _mm512_set1_ps(p[h * C + t]);
+#pragma GCC unroll 4
+            for (int j = 0; j < nv; j++) a[h][j] = _mm512_fmadd_ps(b, x[j], a[h][j]);
+        }
+        prefetch_paced(pf, heads * width / 8);
+    }
+#pragma GCC unroll 3
+    for (int h = 0; h < heads; h++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(acc + h * D + d + 16 * j, a[h][j]);
+}
+
+static inline __attribute__((always_inline)) void pv_heads_avx512(float *acc, int64_t D, const float *alpha,
+                                                                  const float *p, int64_t C,
+                                                                  const void *const *row, int64_t n, int heads,
+                                                                  Prefetcher *pf) {
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) pv_avx512(acc, D, alpha, p, C, row, n, d, 64, heads, pf);
+    if (d + 32 <= D) {
+        pv_avx512(acc, D, alpha, p, C, row, n, d, 32, heads, pf);
+        d += 32;
+    }
+    if (d < D) pv_avx512(acc, D, alpha, p, C, row, n, d, 16, heads, pf);
+}
+
+// acc[g] = acc[g] * alpha[g] + P[g] . V for the group's heads, three at a time; acc: [G, D], p: [G, C].
+static void group_pv_avx512(float *acc, const float *alpha, const float *p, int64_t C, const void *const *row,
+                            int64_t n, int64_t D, int64_t G, Prefetcher *pf) {
+    int64_t g = 0;
+    for (; g + 3 <= G; g += 3) pv_heads_avx512(acc + g * D, D, alpha + g, p + g * C, C, row, n, 3, pf);
+    if (G - g == 2) pv_heads_avx512(acc + g * D, D, alpha + g, p + g * C, C, row, n, 2, pf);
+    if (G - g == 1) pv_heads_avx512(acc + g * D, D, alpha + g, p + g * C, C, row, n, 1, pf);
+}
+
+// sc[g][0:npad] for the group's heads (q: bf16 [G, D]) against rows[0:npad], npad a multiple of 16.
+static void group_scores_avx512(const uint16_t *q, const void *const *row, int64_t npad, int64_t D, int64_t G,
+                                int64_t C, float scale, float *sc, Prefetcher *pf) {
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t t = 0; t < npad; t += TILE16) scores16_avx512(q + g * D, row + t, D, scale, sc + g * C + t, pf);
+}
+#else
+#define QW_DECODE_AVX512 0
+#endif
+
 // Online-softmax step for one head over a chunk: sc[0:n8] scores in, pr[0:n8] probabilities out
 // (zero past n); updates m, l and returns the factor for the old accumulator.
 static inline float softmax_step(float *sc, float *pr, int64_t n, int64_t n8, float *m, float *l) {
@@ -501,10 +665,13 @@ static inline __attribute__((always_inline)) void run_unit_impl(const Params *p,
     const int64_t BS = p->block_size, C = CHUNK, rec = KV * D;  // rec: elements per token
     const int64_t esize = bf16 ? 2 : 4;
     const int32_t *table = p->block_tables + (int64_t)u->seq * p->max_blocks;
+    // The AVX-512 path scores 16 tokens at a time from the bf16 q itself; the generic one 8 (or 4).
+    const int wide = QW_DECODE_AVX512 && bf16;
+    const int64_t tile = wide ? 16 : 8;
 
     // qs: [H, D] = q[seq] * scale in fp32 (bf16: in the split order of load_bf16x16_split).
     const char *q = (const char *)p->q + (int64_t)u->seq * H * D * esize;
-    for (int64_t i = 0; i < H * D; i += 16) {
+    for (int64_t i = 0; !wide && i < H * D; i += 16) {
         v8f a, b;
         load16(q, i, bf16, &a, &b);
         storeu8(s->qs + i, a * splat8(p->scale));
@@ -520,15 +687,16 @@ static inline __attribute__((always_inline)) void run_unit_impl(const Params *p,
     Prefetcher pf;
     for (int64_t c0 = u->begin; c0 < u->end; c0 += C) {
         const int64_t n = (u->end - c0 < C) ? u->end - c0 : C;
-        const int64_t n8 = (n + 7) & ~(int64_t)7;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = c0 + t;
-            int64_t block = table[pos / BS];
+        const int64_t n8 = (n + tile - 1) / tile * tile;  // padded to whole score tiles
+        // Block by block: one division per chunk, not two per token (a 64-bit division costs tens of
+        // cycles, as much as a token's scores on the AVX-512 path).
+        for (int64_t t = 0, bi = c0 / BS, in = c0 % BS; t < n; bi++, in = 0) {
+            int64_t block = table[bi];
             if (block < 0 || block >= p->num_blocks) {
                 *err = QW_BAD_BLOCK_ID;
                 block = 0;  // keep reading in bounds; the caller raises
             }
-            s->tok_off[t] = (block * BS + pos % BS) * rec;
+            for (int64_t off = (block * BS + in) * rec; in < BS && t < n; in++, t++, off += rec) s->tok_off[t] = off;
         }
         // The next chunk, or the first chunk of the thread's next unit, is prefetched while this
         // one computes.
@@ -559,14 +727,24 @@ static inline __attribute__((always_inline)) void run_unit_impl(const Params *p,
             // Scores, then softmax, for all heads of the group before any P.V: independent work
             // that the core can overlap.
             const int64_t h0 = kvh * G;
-            group_scores(s->qs + h0 * D, krow, n8, D, G, C, s->sc, bf16, &pf);
+#if QW_DECODE_AVX512
+            if (wide)
+                group_scores_avx512((const uint16_t *)q + h0 * D, krow, n8, D, G, C, p->scale, s->sc, &pf);
+            else
+#endif
+                group_scores(s->qs + h0 * D, krow, n8, D, G, C, s->sc, bf16, &pf);
             if (p->has_soft_cap)  // padding lanes too: softmax_step masks them after
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t t = 0; t < n8; t += 8)
                         storeu8(s->sc + g * C + t, vsoft_cap8(loadu8(s->sc + g * C + t), p->soft_cap));
             for (int64_t g = 0; g < G; g++)
                 s->alpha[g] = softmax_step(s->sc + g * C, s->pr + g * C, n, n8, s->m + h0 + g, s->l + h0 + g);
-            group_pv(s->acc + h0 * D, s->alpha, s->pr, C, vrow, n, D, G, bf16, &pf);
+#if QW_DECODE_AVX512
+            if (wide)
+                group_pv_avx512(s->acc + h0 * D, s->alpha, s->pr, C, vrow, n, D, G, &pf);
+            else
+#endif
+                group_pv(s->acc + h0 * D, s->alpha, s->pr, C, vrow, n, D, G, bf16, &pf);
         }
         prefetch_rest(&pf);  // rounding leftovers
     }
@@ -581,7 +759,17 @@ static void run_unit(const Params *p, const Unit *u, const Unit *next_unit, Scra
 
 static void store_row(const Params *p, int64_t seq, int64_t h, const float *x, float inv) {
     const int64_t D = p->head_dim, off = (seq * p->num_heads + h) * D;
-    if (p->is_bf16) {
+    if (p->is_bf16 && QW_DECODE_AVX512) {
+        uint16_t *o = (uint16_t *)p->out + off;
+        // x is in pv_avx512's order: each 32-group split (16 even columns, 16 odd), a 16-tail in order.
+        int64_t d = 0;
+        for (; d + 32 <= D; d += 32)
+            for (int64_t j = 0; j < 16; j++) {
+                o[d + 2 * j] = f32_to_bf16(x[d + j] * inv);
+                o[d + 2 * j + 1] = f32_to_bf16(x[d + 16 + j] * inv);
+            }
+        for (; d < D; d++) o[d] = f32_to_bf16(x[d] * inv);
+    } else if (p->is_bf16) {
         uint16_t *o = (uint16_t *)p->out + off;
         // x is in the split order of load_bf16x16_split; put each 16-group back in order.
         for (int64_t d = 0; d < D; d += 16)
@@ -738,6 +926,9 @@ int qw_paged_decode_attention(const void *q, const void *k, const void *v, const
     free(partial);
     return err;
 }
+
+// Which bf16 code this build runs: 1 for the AVX512-BF16 path, 0 for the generic one.
+int qw_paged_decode_bf16_variant(void) { return QW_DECODE_AVX512; }
 
 // ---- KV-cache write -----------------------------------------------------------------------------
 

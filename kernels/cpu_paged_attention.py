@@ -11,6 +11,9 @@ Sliding windows and soft-capping (per layer, keyword arguments of every function
 C kernel too: a windowed decode reads only the blocks its window touches, so it costs the window,
 not the context.
 
+On the AMX Xeons the bf16 scores and P.V run AVX512-BF16 code (``bf16_variant()`` says which the
+build took); elsewhere the generic vector code, the same source.
+
 It imports no triton: the engine's torch backend uses it on machines without triton.
 """
 
@@ -18,13 +21,17 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from qworker_kernels.constants import FLOAT_DTYPES, check_attention_extras
 from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = [
+    "bf16_variant",
     "is_available",
+    "kernel_build",
     "paged_decode_attention",
     "paged_decode_attention_float64_reference",
     "paged_decode_attention_torch",
@@ -39,14 +46,16 @@ _MAX_HEAD_DIM = 512
 _FALLBACK_BYTES = 64 << 20
 
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SIGNATURES = {
+    # pointers, sizes, scale, window, has_soft_cap, soft_cap, is_bf16, num_threads
+    "qw_paged_decode_attention": [*[_P] * 6, *[_I64] * 7, _F, _I64, _I, _F, _I, _I],
+    # k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, tokens, slots, row_bytes
+    "qw_write_kv_cache": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64],
+    "qw_paged_decode_bf16_variant": [],
+}
 _LIBRARY = CKernelLibrary(
     "cpu_paged_attention.c",
-    # pointers, sizes, scale, window, has_soft_cap, soft_cap, is_bf16, num_threads
-    {
-        "qw_paged_decode_attention": [*[_P] * 6, *[_I64] * 7, _F, _I64, _I, _F, _I, _I],
-        # k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, tokens, slots, row_bytes
-        "qw_write_kv_cache": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64],
-    },
+    SIGNATURES,
     errors={
         1: (ValueError, "seq_lens holds a length < 1 or > max_blocks_per_seq * block_size"),
         2: (ValueError, "block_tables holds a block id outside [0, num_blocks) within a sequence's length"),
@@ -59,6 +68,26 @@ _LIBRARY = CKernelLibrary(
 def is_available() -> bool:
     """True when the C kernel is built (or can be built now) and loaded."""
     return _LIBRARY.is_available()
+
+
+def kernel_build(source: Path | None = None, extra_flags: Sequence[str] = ()) -> CKernelLibrary:
+    """Another build of the decode kernel, loaded at first use: `source` (default this module's C
+    file; headers it includes must sit beside it) with `extra_flags`. Pass it to
+    `paged_decode_attention(..., library=...)`: the tests build the generic bf16 code with
+    ``-DQW_DECODE_GENERIC``, the benchmark an older source with --compare-source."""
+    build = CKernelLibrary("cpu_paged_attention.c", SIGNATURES, _LIBRARY.errors, extra_flags)
+    if source is not None:
+        build.source = Path(source)
+    return build
+
+
+def bf16_variant(library: CKernelLibrary = _LIBRARY) -> str | None:
+    """The bf16 code the C kernel was built with on this CPU: "avx512-bf16" (the AMX Xeons'
+    VDPBF16PS path) or "generic"; None when the kernel is not available."""
+    lib = library.get()
+    if lib is None:
+        return None
+    return "avx512-bf16" if lib.qw_paged_decode_bf16_variant() == 1 else "generic"
 
 
 def _check_inputs(
@@ -129,6 +158,7 @@ def paged_decode_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    library: CKernelLibrary | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V cache.
 
@@ -140,16 +170,18 @@ def paged_decode_attention(
     With `sliding_window` W the query (at position seq_len - 1) sees the last W keys only; with
     `logits_soft_cap` c the scaled scores s become tanh(s / c) * c before the softmax.
 
-    Uses the C kernel when it is available and head_dim is a multiple of 16 up to 512; otherwise
+    Uses the C kernel (`library`: another build from `kernel_build`, default this module's) when it
+    is available and head_dim is a multiple of 16 up to 512; otherwise
     ``paged_decode_attention_torch``. Raises ValueError on bad shapes, dtypes, devices,
     non-contiguous inputs, out-of-range seq_lens or block ids (``out`` may then be partly written).
     """
+    library = _LIBRARY if library is None else library
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
     check_attention_extras(sliding_window, logits_soft_cap)
     if out is None:
         out = torch.empty_like(q)
     head_dim = q.shape[2]
-    lib = _LIBRARY.get() if head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM else None
+    lib = library.get() if head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM else None
     if lib is None:
         return paged_decode_attention_torch(
             q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
@@ -179,7 +211,7 @@ def paged_decode_attention(
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
-    _LIBRARY.check("paged_decode_attention", rc)
+    library.check("paged_decode_attention", rc)
     return out
 
 

@@ -201,6 +201,96 @@ def test_large_scores_stay_finite() -> None:
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
+# The same source built with the generic vector code forced: on the AMX Xeons the module's build
+# takes the AVX512-BF16 path for bf16, and the two are compared below.
+GENERIC_BUILD = cpa.kernel_build(extra_flags=("-DQW_DECODE_GENERIC",))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (8 significant bits), for x in fp32."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
+    return torch.exp2(exponent - 7)
+
+
+def _within_one_bf16_step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| <= one bf16 step at their magnitude, plus 1e-5 for outputs near zero, where terms of
+    order 1 cancel and the two fp32 summation orders differ by more than a step of the result."""
+    return (a - b).abs() <= _bf16_ulp(torch.maximum(a.abs(), b.abs())) + 1e-5
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_bf16_variant_follows_the_cpu() -> None:
+    # The AVX512-BF16 path is built exactly on the CPUs it was measured on (AMX Xeons); the
+    # AVX512-BF16 EPYC and AVX2 machines keep the generic code. The tests of this module then run
+    # whichever path this machine ships.
+    fast = {"avx512_bf16", "avx512bw", "amx_bf16"} <= _cpu_flags()
+    assert cpa.bf16_variant() == ("avx512-bf16" if fast else "generic")
+    assert cpa.bf16_variant(GENERIC_BUILD) == "generic"
+
+
+@needs_kernel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize(("head_dim", "group"), [(16, 2), (48, 4), (64, 3), (96, 9), (128, 1)])
+def test_bf16_every_chunk_length_against_generic_code(block_size: int, head_dim: int, group: int) -> None:
+    # Every length 1..70 in one batch: each remainder of the 16-token score tiles and the 32-token
+    # chunks, tiles straddling blocks (block size 5), head dims with 16- and 32-column tails, groups
+    # that leave 0, 1 or 2 heads after tiles of 3. Both builds accumulate in fp32 and round once to
+    # bf16, so they may differ by one bf16 step where that rounding falls differently.
+    lens = list(range(1, 71))
+    inputs = make_inputs(lens, 2, group, head_dim, block_size, torch.bfloat16, seed=head_dim + block_size)
+    scale = head_dim**-0.5
+    expected = cpa.paged_decode_attention_float64_reference(*inputs, scale)
+    actual = cpa.paged_decode_attention(*inputs, scale)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[torch.bfloat16])
+    generic = cpa.paged_decode_attention(*inputs, scale, library=GENERIC_BUILD).float()
+    assert _within_one_bf16_step(actual.float(), generic).all()
+    assert (actual.float() != generic).float().mean() < 0.01  # rounding flips are rare, not the rule
+
+
+@needs_kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_bf16_extras_and_splits_against_generic_code(num_threads: int) -> None:
+    # Soft-cap, window and split sequences (merged partial softmaxes) through both builds.
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        inputs = make_inputs([2000, 1, 700, 45], 3, 3, 64, 16, torch.bfloat16, seed=7)
+        for extras in ({}, {"sliding_window": 333}, {"logits_soft_cap": 2.5, "sliding_window": 50}):
+            expected = cpa.paged_decode_attention_float64_reference(*inputs, 0.3, **extras)
+            actual = cpa.paged_decode_attention(*inputs, 0.3, **extras).float()
+            torch.testing.assert_close(actual, expected.float(), **TOLERANCE[torch.bfloat16])
+            generic = cpa.paged_decode_attention(*inputs, 0.3, library=GENERIC_BUILD, **extras).float()
+            assert _within_one_bf16_step(actual, generic).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.timeout(60)
+def test_large_scores_stay_finite_bf16() -> None:
+    # Scores in the hundreds in bf16: the raw-q dot products and the scale applied after them.
+    q, k, v, bt, sl = make_inputs([300, 40], 2, 2, 64, 16, torch.bfloat16)
+    inputs = (q * 30, k * 3, v, bt, sl)
+    expected = cpa.paged_decode_attention_float64_reference(*inputs, 1.0)
+    actual = cpa.paged_decode_attention(*inputs, 1.0)
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fn", IMPLEMENTATIONS)
 def test_writes_into_out(fn: Attention) -> None:
