@@ -192,10 +192,23 @@ int qw_rms_norm(const void *x, int64_t x_stride, void *residual, const void *wei
 
 // Rotate-half convention (HF Llama): for i < D/2, with c, s = cos, sin of the position cast to the
 // dtype, out[i] = x[i] c - x[i + D/2] s and out[i + D/2] = x[i + D/2] c + x[i] s, each product and
-// the sum rounded to the dtype.
+// the sum rounded to the dtype. c and s are in block order (see block_order): each whole block of
+// 32 as its two vectors hold it, the tail as it is.
 static inline __attribute__((always_inline)) void rotate_head(const void *x, void *out, const float *c,
                                                               const float *s, int64_t half, int bf16) {
-    for (int64_t i = 0; i < half; i++) {
+    int64_t i = 0;
+    for (; i + BLOCK <= half; i += BLOCK) {
+        const block x1 = bload(x, i, bf16), x2 = bload(x, i + half, bf16);
+        const v16f ca = loadu16(c + i), cb = loadu16(c + i + 16), sa = loadu16(s + i), sb = loadu16(s + i + 16);
+        block lo, hi;
+        lo.a = vround(x1.a * ca, bf16) - vround(x2.a * sa, bf16);
+        lo.b = vround(x1.b * cb, bf16) - vround(x2.b * sb, bf16);
+        hi.a = vround(x2.a * ca, bf16) + vround(x1.a * sa, bf16);
+        hi.b = vround(x2.b * cb, bf16) + vround(x1.b * sb, bf16);
+        bstore(out, i, lo, bf16);
+        bstore(out, i + half, hi, bf16);
+    }
+    for (; i < half; i++) {
         const float x1 = load(x, i, bf16), x2 = load(x, i + half, bf16);
         float a = x1 * c[i], b = x2 * s[i], d = x2 * c[i], e = x1 * s[i];
         if (bf16) {
@@ -207,6 +220,14 @@ static inline __attribute__((always_inline)) void rotate_head(const void *x, voi
         store(out, i, a - b, bf16);
         store(out, i + half, d + e, bf16);
     }
+}
+
+// Where element i of a row of n goes when the row is kept in block order: within each whole block
+// of 32, the lanes of its two vectors (bf16: even elements, then odd); the tail stays in place.
+static inline int64_t block_order(int64_t i, int64_t n, int bf16) {
+    const int64_t start = i / BLOCK * BLOCK, j = i % BLOCK;
+    if (!bf16 || start + BLOCK > n) return i;
+    return start + (j % 2 ? 16 + j / 2 : j / 2);
 }
 
 // q_out, k_out = rotary(q, k). Rows of q and k are q_stride and k_stride elements apart (views
@@ -226,8 +247,9 @@ int qw_rotary(const void *q, int64_t q_stride, const void *k, int64_t k_stride, 
         for (int64_t r = 0; r < rows; r++) {
             const float *cr = cos_table + positions[r] * half, *sr = sin_table + positions[r] * half;
             for (int64_t i = 0; i < half; i++) {
-                c[i] = is_bf16 ? round_bf16(cr[i]) : cr[i];
-                s[i] = is_bf16 ? round_bf16(sr[i]) : sr[i];
+                const int64_t at = block_order(i, half, is_bf16);
+                c[at] = is_bf16 ? round_bf16(cr[i]) : cr[i];
+                s[at] = is_bf16 ? round_bf16(sr[i]) : sr[i];
             }
             for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
                 const int is_q = h < num_heads;

@@ -69,7 +69,8 @@ def test_rms_norm_of_strided_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (37, 4, 4, 16), (200, 9, 3, 64)]
+    ("tokens", "heads", "kv_heads", "head_dim"),
+    [(1, 9, 3, 64), (37, 4, 4, 16), (200, 9, 3, 64), (5, 2, 1, 80), (9, 2, 2, 128)],
 )
 def test_rotary_matches_torch_exactly_from_qkv_views(dtype, tokens, heads, kv_heads, head_dim, threads):
     gen = torch.Generator().manual_seed(tokens)
