@@ -21,6 +21,12 @@
 // prefill kernel does) and P.V runs over key pairs in position order into fp32. Every token runs
 // that one code path, prefill or decode, so the invariance argument above is unchanged; the bits
 // differ from the fp32-FMA path's, which bf16 takes on CPUs without AVX512-BF16.
+//
+// bf16 on AMX (built for AMX, head_dim a multiple of 32, the tile state granted, allow_amx): unit_amx,
+// 32-key tiles aligned to absolute positions; S = Q K^T and O = P V by TDPBF16PS on 16 x 16 tiles
+// (a row of C from its own row of A only), the row-wise online softmax in AVX-512 between them,
+// and acc = acc * alpha + O once per tile. Again one path for every token; its bits differ from
+// the VDPBF16PS path's (QWORKER_INVARIANT_ATTENTION_AMX=0 on the Python side picks that one).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -227,7 +233,219 @@ static void unit_dp(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
         }
     }
 }
-#endif
+
+#include "cpu_amx.h"
+#if defined(QW_HAVE_AMX)
+#define QW_AKT 32  // keys per AMX tile step: one 32-key chunk of P per TDPBF16PS
+
+// B tiles of a 32-key tile: kt[c][h]: K^T of keys 16 h .. 16 h + 15, dims 32 c .. 32 c + 31, in
+// pairs ([16 pairs][16 keys]); vt[jp][d]: values of keys 2 jp, 2 jp + 1 for dim d (one B tile per
+// 16 dims, row stride QW_MAX_D pairs).
+typedef struct {
+    uint32_t kt[QW_MAX_D / 32][2][16][16] __attribute__((aligned(64)));
+    uint32_t vt[QW_AKT / 2][QW_MAX_D] __attribute__((aligned(64)));
+    float s[QW_MAX_ROWS][QW_AKT] __attribute__((aligned(64)));          // scores
+    uint16_t p[QW_MAX_ROWS][QW_AKT] __attribute__((aligned(64)));       // bf16 probabilities
+    float o[QW_MAX_ROWS][QW_MAX_D] __attribute__((aligned(64)));        // this tile's P.V
+    uint32_t qp[QW_MAX_ROWS][QW_MAX_D / 2] __attribute__((aligned(64)));  // queries, zero rows after the last
+} AmxScratch;
+
+// P.V of row tile rt into o: C tiles 0-3 hold dims 16 dc .. 16 dc + 15 for four dc at a time.
+static inline void amx_pv(AmxScratch *w, int rt, int64_t dv) {
+    for (int64_t d0 = 0; d0 < dv; d0 += 4) {
+        const int64_t n = dv - d0 < 4 ? dv - d0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(4, w->p[16 * rt], QW_AKT * 2);
+        _tile_loadd(5, w->vt[0] + 16 * d0, QW_MAX_D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (n > 1) {
+            _tile_loadd(6, w->vt[0] + 16 * (d0 + 1), QW_MAX_D * 4);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (n > 2) {
+            _tile_loadd(7, w->vt[0] + 16 * (d0 + 2), QW_MAX_D * 4);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (n > 3) {
+            _tile_loadd(5, w->vt[0] + 16 * (d0 + 3), QW_MAX_D * 4);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, w->o[16 * rt] + 16 * d0, QW_MAX_D * 4);
+        if (n > 1) _tile_stored(1, w->o[16 * rt] + 16 * (d0 + 1), QW_MAX_D * 4);
+        if (n > 2) _tile_stored(2, w->o[16 * rt] + 16 * (d0 + 2), QW_MAX_D * 4);
+        if (n > 3) _tile_stored(3, w->o[16 * rt] + 16 * (d0 + 3), QW_MAX_D * 4);
+    }
+}
+
+// One work item in bf16 on AMX tiles (head_dim a multiple of 32; the thread has loaded a 16 x 64
+// configuration). Keys in tiles of 32 aligned to absolute positions; per tile: S = Q K^T (one C
+// tile per 16 rows x 16 keys, zeroed, then one TDPBF16PS per 32 dims in order), the row-wise
+// online softmax on the stored scores (as unit_dp, over 32 lanes), P rounded to bf16, O = P V (one
+// TDPBF16PS per 16 rows x 16 dims, zeroed), then acc = acc * alpha + O per row. Rows are
+// independent in every step, and a row's lanes outside its keys carry probability 0.
+static void unit_amx(AmxScratch *w, const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                     const uint16_t *v_cache, const int32_t *table, const int32_t *token_pos, int64_t t0,
+                     int64_t nt, int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
+                     int64_t row_elems, float scale, int64_t window, int has_soft_cap, float soft_cap,
+                     uint16_t *out, int64_t out_stride) {
+    const int64_t pairs = head_dim / 2, dchunks = head_dim / 32, dv = head_dim / 16;
+    const int64_t rows = nt * group, row_tiles = (rows + 15) / 16;
+    __m512 acc[QW_MAX_ROWS][QW_MAX_D / 16];
+    float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
+    int64_t first_key[QW_MAX_ROWS];
+    memset(w->qp, 0, (size_t)row_tiles * 16 * sizeof w->qp[0]);
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t pos = token_pos[t0 + i];
+        first_key[i] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = i * group + g, h = kvh * group + g;
+            memcpy(w->qp[r], q + (t0 + i) * q_stride + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
+            for (int64_t c = 0; c < dv; c++) acc[r][c] = _mm512_setzero_ps();
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+    }
+    __m512i idx_lo, idx_hi;
+    {
+        uint16_t lo[32], hi[32];
+        for (int i = 0; i < 32; i++) {
+            lo[i] = (uint16_t)((i & 1 ? 32 : 0) + i / 2);
+            hi[i] = (uint16_t)((i & 1 ? 32 : 0) + 16 + i / 2);
+        }
+        idx_lo = _mm512_loadu_si512(lo);
+        idx_hi = _mm512_loadu_si512(hi);
+    }
+    for (int64_t r = rows; r < row_tiles * 16; r++) memset(w->p[r], 0, sizeof w->p[r]);  // padding rows
+    const int64_t last_pos = token_pos[t0 + nt - 1];
+    const int64_t lowest = first_key[0];
+    for (int64_t tile0 = lowest / QW_AKT * QW_AKT; tile0 <= last_pos; tile0 += QW_AKT) {
+        const int64_t any_lo = lowest > tile0 ? lowest - tile0 : 0;
+        const int64_t any_hi = last_pos - tile0 + 1 < QW_AKT ? last_pos - tile0 + 1 : QW_AKT;
+        // The next tile's K and V rows, a cache line at a time: decode steps read the cache from
+        // DRAM in block-table order, and one core's demand misses alone cannot keep up.
+        // The next tile's K and V rows of this KV head, a line at a time: decode steps read the
+        // cache from DRAM in block-table order.
+        for (int64_t p = tile0 + QW_AKT; p < tile0 + 2 * QW_AKT && p <= last_pos; p++) {
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+            const char *kp = (const char *)(k_cache + slot * row_elems + kvh * head_dim);
+            const char *vq = (const char *)(v_cache + slot * row_elems + kvh * head_dim);
+            for (int64_t b = 0; b < head_dim * 2; b += 64) {
+                _mm_prefetch(kp + b, _MM_HINT_T0);
+                _mm_prefetch(vq + b, _MM_HINT_T0);
+            }
+        }
+        const uint16_t *krow[QW_AKT], *vrow[QW_AKT];  // NULL: a key no token of the item reads (zeros)
+        for (int64_t j = 0; j < QW_AKT; j++) {
+            if (j < any_lo || j >= any_hi) {
+                krow[j] = vrow[j] = NULL;
+                continue;
+            }
+            const int64_t p = tile0 + j;
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+            krow[j] = k_cache + slot * row_elems + kvh * head_dim;
+            vrow[j] = v_cache + slot * row_elems + kvh * head_dim;
+        }
+        for (int h = 0; h < 2; h++) {
+            for (int64_t pb = 0; pb < pairs / 16; pb++) {
+                __m512i r16[16];
+                for (int j = 0; j < 16; j++)
+                    r16[j] = krow[16 * h + j] ? _mm512_loadu_si512((const uint32_t *)krow[16 * h + j] + pb * 16)
+                                              : _mm512_setzero_si512();
+                transpose16_epi32(r16);
+                for (int pp = 0; pp < 16; pp++) _mm512_store_si512(w->kt[pb][h][pp], r16[pp]);
+            }
+        }
+        for (int jp = 0; jp < QW_AKT / 2; jp++) {
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+                const __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + d0) : _mm512_setzero_si512();
+                const __m512i b =
+                    vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + d0) : _mm512_setzero_si512();
+                _mm512_store_si512(w->vt[jp] + d0, _mm512_permutex2var_epi16(a, idx_lo, b));
+                _mm512_store_si512(w->vt[jp] + d0 + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
+            }
+        }
+        // S = Q K^T: C tile 2 rt + h, A tiles 4 (rows 0-15) and 5 (16-31), B tiles 6 and 7.
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < dchunks; c++) {
+            _tile_loadd(6, w->kt[c][0], 64);
+            _tile_loadd(7, w->kt[c][1], 64);
+            _tile_loadd(4, w->qp[0] + 16 * c, QW_MAX_D * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (row_tiles > 1) {
+                _tile_loadd(5, w->qp[16] + 16 * c, QW_MAX_D * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, w->s[0], QW_AKT * 4);
+        _tile_stored(1, w->s[0] + 16, QW_AKT * 4);
+        if (row_tiles > 1) {
+            _tile_stored(2, w->s[16], QW_AKT * 4);
+            _tile_stored(3, w->s[16] + 16, QW_AKT * 4);
+        }
+        // The row-wise online softmax; a row this tile does not concern gets P = 0 and keeps acc.
+        uint8_t active[QW_MAX_ROWS];
+        float alpha[QW_MAX_ROWS];
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t pos = token_pos[t0 + i], start = first_key[i];
+            const int on = !(tile0 > pos || tile0 + QW_AKT <= start);
+            const int64_t lo = start > tile0 ? start - tile0 : 0;
+            const int64_t hi = pos - tile0 + 1 < QW_AKT ? pos - tile0 + 1 : QW_AKT;
+            const uint32_t valid = on ? (uint32_t)(((uint64_t)1 << hi) - 1u) & ~(uint32_t)((((uint64_t)1 << lo) - 1u)) : 0;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = i * group + g;
+                active[r] = (uint8_t)on;
+                if (!on) {
+                    memset(w->p[r], 0, sizeof w->p[r]);
+                    continue;
+                }
+                v16f s0 = (v16f)_mm512_load_ps(w->s[r]) * splat16(scale);
+                v16f s1 = (v16f)_mm512_load_ps(w->s[r] + 16) * splat16(scale);
+                if (has_soft_cap) {
+                    s0 = vsoft_cap16(s0, soft_cap);
+                    s1 = vsoft_cap16(s1, soft_cap);
+                }
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                s0 = (v16f)_mm512_mask_mov_ps(ninf, (__mmask16)(valid & 0xffffu), (__m512)s0);
+                s1 = (v16f)_mm512_mask_mov_ps(ninf, (__mmask16)(valid >> 16), (__m512)s1);
+                const float tile_max = hmax16(vmax16(s0, s1));
+                const float m_new = m[r] > tile_max ? m[r] : tile_max;
+                alpha[r] = expf(m[r] - m_new);  // 0 at the first tile (m = -inf)
+                const v16f p0 = vexp_nonpos16(s0 - splat16(m_new)), p1 = vexp_nonpos16(s1 - splat16(m_new));
+                l[r] = l[r] * alpha[r] + (hsum16(p0) + hsum16(p1));
+                m[r] = m_new;
+                _mm256_store_si256((__m256i *)w->p[r], (__m256i)_mm512_cvtneps_pbh((__m512)p0));
+                _mm256_store_si256((__m256i *)(w->p[r] + 16), (__m256i)_mm512_cvtneps_pbh((__m512)p1));
+            }
+        }
+        for (int rt = 0; rt < row_tiles; rt++) amx_pv(w, rt, dv);
+        for (int64_t r = 0; r < rows; r++) {
+            if (!active[r]) continue;
+            const __m512 va = _mm512_set1_ps(alpha[r]);
+            for (int64_t c = 0; c < dv; c++)
+                acc[r][c] = _mm512_fmadd_ps(acc[r][c], va, _mm512_load_ps(w->o[r] + 16 * c));
+        }
+    }
+    for (int64_t i = 0; i < nt; i++) {
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = i * group + g, h = kvh * group + g;
+            uint16_t *oh = out + (t0 + i) * out_stride + h * head_dim;
+            const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+            for (int64_t c = 0; c < dv; c++)
+                _mm256_storeu_si256((__m256i *)(oh + 16 * c),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+        }
+    }
+}
+#endif  // QW_HAVE_AMX
+#endif  // QW_HAVE_DP
 
 // q, out: [num_tokens, H, D] (token stride q_stride / out_stride elements, heads packed);
 // caches: [num_blocks, block_size, KVH, D]; block_tables: [num_seqs, max_blocks] int32;
@@ -242,7 +460,7 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
                            void *out, int64_t out_stride, int64_t num_tokens, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                            int64_t num_blocks, float scale, int64_t window, int has_soft_cap, float soft_cap,
-                           int is_bf16, int num_threads) {
+                           int is_bf16, int allow_amx, int num_threads) {
     if (head_dim % 16 != 0 || head_dim > QW_MAX_D || num_heads % num_kv_heads != 0 ||
         num_heads / num_kv_heads > QW_MAX_GROUP)
         return 3;
@@ -269,11 +487,42 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
     const int64_t row_elems = num_kv_heads * head_dim;  // elements per cache slot
     const int64_t work = num_runs * num_kv_heads;
     (void)num_threads;
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && work > 1) schedule(dynamic, 1)
+    int use_amx = 0;
+#if defined(QW_HAVE_AMX)
+    use_amx = allow_amx && is_bf16 && head_dim % 32 == 0 && qw_amx_request();
+#else
+    (void)allow_amx;
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && work > 1)
+    {
+#if defined(QW_HAVE_AMX)
+        AmxScratch *scratch = NULL;
+        if (use_amx) {
+            scratch = aligned_alloc(64, sizeof(AmxScratch));
+            if (!scratch) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            qw_amx_tilecfg cfg;
+            qw_amx_config_all(&cfg, 16, 64);
+            _tile_loadconfig(&cfg);
+        }
+#endif
+#pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; w++) {
         const int64_t run = w / num_kv_heads, kvh = w % num_kv_heads;
         const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
         const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
+#if defined(QW_HAVE_AMX)
+        if (use_amx) {
+            if (scratch)
+                unit_amx(scratch, (const uint16_t *)q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                         table, token_pos, t0, nt, kvh, group, head_dim, block_size, row_elems, scale, window,
+                         has_soft_cap, soft_cap, (uint16_t *)out, out_stride);
+            continue;
+        }
+#endif
 #if defined(QW_HAVE_DP)
         if (is_bf16) {
             unit_dp((const uint16_t *)q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table,
@@ -412,6 +661,11 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             }
         }
     }
+#if defined(QW_HAVE_AMX)
+        if (use_amx) _tile_release();
+        free(scratch);
+#endif
+    }
     free(run_start);
-    return 0;
+    return failed ? 4 : 0;
 }

@@ -4,6 +4,10 @@ token's absolute position (16-key tiles aligned to positions 0, 16, 32, ...), so
 is the same bits alone or in a batch, in any prefill chunk, in a decode step, after a prefix-cache
 hit or a recompute after preemption. K and V are read from the cache only.
 
+bf16 runs on AMX tiles (32-key tiles, TDPBF16PS for Q K^T and P V) where the CPU, the build and
+the OS allow it, else on VDPBF16PS (16-key tiles) with AVX512-BF16, else fp32 FMAs; each path is
+invariant on its own, and they give different bits from each other.
+
 `paged_attention_reference` is the same attention in float64 (what the kernel approximates).
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 
 import torch
 from qworker_kernels.cpu_build import CKernelLibrary
@@ -23,7 +28,7 @@ _MAX_GROUP = 16
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _LIBRARY = CKernelLibrary(
     "cpu_invariant_attention.c",
-    {"qw_inv_paged_attention": [_P, _I64, *[_P] * 6, *[_I64] * 8, _F, _I64, _I, _F, _I, _I]},
+    {"qw_inv_paged_attention": [_P, _I64, *[_P] * 6, *[_I64] * 8, _F, _I64, _I, _F, _I, _I, _I]},
     errors={
         1: (ValueError, "a token position is outside its block table"),
         2: (ValueError, "block_tables holds a block id outside [0, num_blocks) below a token's position"),
@@ -41,6 +46,12 @@ _LIBRARY = CKernelLibrary(
 
 def is_available() -> bool:
     return _LIBRARY.is_available()
+
+
+def amx_allowed() -> bool:
+    """False when ``QWORKER_INVARIANT_ATTENTION_AMX=0``: bf16 then takes the VDPBF16PS path even
+    where AMX tiles are there (for comparisons; the two paths give different bits)."""
+    return os.environ.get("QWORKER_INVARIANT_ATTENTION_AMX", "1") != "0"
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -108,7 +119,7 @@ def paged_attention(
         seq.data_ptr(), pos.data_ptr(), out.data_ptr(), out.stride(0), num_tokens, num_heads,
         num_kv_heads, head_dim, block_size, tables.shape[1], num_blocks, scale,
         sliding_window or 0, int(logits_soft_cap is not None), logits_soft_cap or 0.0,
-        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+        int(q.dtype == torch.bfloat16), int(amx_allowed()), torch.get_num_threads(),
     )  # fmt: skip
     _LIBRARY.check("qw_inv_paged_attention", status)
     return out

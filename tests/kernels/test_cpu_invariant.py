@@ -113,11 +113,15 @@ def _cache(dtype: torch.dtype, blocks: int, gen: torch.Generator) -> tuple[torch
     return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-if-any", "no-amx"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("window", "cap"), [(None, None), (37, 30.0)])
 def test_attention_token_is_the_same_in_any_chunk_or_batch(
-    dtype: torch.dtype, window: int | None, cap: float | None
+    dtype: torch.dtype, window: int | None, cap: float | None, amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # bf16 runs on AMX tiles where the CPU, the build and the OS allow it (amx-if-any), else (and
+    # with no-amx) on VDPBF16PS or fp32 FMAs: each path must hold on its own.
+    monkeypatch.setenv("QWORKER_INVARIANT_ATTENTION_AMX", "1" if amx else "0")
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache = _cache(dtype, 32, gen)
     order = torch.randperm(32, generator=gen)
@@ -150,6 +154,39 @@ def test_attention_token_is_the_same_in_any_chunk_or_batch(
             mixed_q, k_cache, v_cache, tables, mixed_seq, mixed_pos, 0.125, **extras
         )
         assert torch.equal(mixed[5:], whole[start:stop]), f"chunk at {start} differs"
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-if-any", "no-amx"])
+def test_attention_other_shapes_and_block_sizes(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """head_dim 128 with 4 query heads per KV head, blocks of 5 slots (a 16- or 32-key tile spans
+    several blocks) and a cached prefix: decode steps, the whole prompt and chunks of 13 agree."""
+    monkeypatch.setenv("QWORKER_INVARIANT_ATTENTION_AMX", "1" if amx else "0")
+    gen = torch.Generator().manual_seed(11)
+    dtype, block, length = torch.bfloat16, 5, 101
+    shape = (48, block, 2, 128)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables = torch.randperm(48, generator=gen)[:21].to(torch.int32)[None]
+    q = torch.randn(length, 8, 128, generator=gen).to(dtype)
+    seq = torch.zeros(length, dtype=torch.int32)
+    pos = torch.arange(length, dtype=torch.int32)
+    scale = 128**-0.5
+    whole = cpu_invariant_attention.paged_attention(q, k_cache, v_cache, tables, seq, pos, scale)
+    reference = cpu_invariant_attention.paged_attention_reference(
+        q, k_cache, v_cache, tables, seq, pos, scale
+    )
+    torch.testing.assert_close(whole, reference, atol=2e-2, rtol=2e-2)
+    for t in (0, 31, 32, 33, 64, length - 1):
+        one = cpu_invariant_attention.paged_attention(
+            q[t : t + 1], k_cache, v_cache, tables, seq[t : t + 1], pos[t : t + 1], scale
+        )
+        assert torch.equal(one[0], whole[t]), f"decode of position {t} differs from the prefill"
+    for start in range(40, length, 13):  # a prefix of 40 tokens "from the cache"
+        stop = min(start + 13, length)
+        chunk = cpu_invariant_attention.paged_attention(
+            q[start:stop], k_cache, v_cache, tables, seq[start:stop], pos[start:stop], scale
+        )
+        assert torch.equal(chunk, whole[start:stop]), f"chunk at {start} differs"
 
 
 def test_token_positions() -> None:
