@@ -75,7 +75,13 @@ def kernel_build(source: Path | None = None, extra_flags: Sequence[str] = ()) ->
     file; headers it includes must sit beside it) with `extra_flags`. Pass it to
     `paged_decode_attention(..., library=...)`: the tests build the generic bf16 code with
     ``-DQW_DECODE_GENERIC``, the benchmark an older source with --compare-source."""
-    build = CKernelLibrary("cpu_paged_attention.c", SIGNATURES, _LIBRARY.errors, extra_flags)
+    # Another source gets only the decode entry point: older versions lack the other functions.
+    signatures = (
+        SIGNATURES
+        if source is None
+        else {"qw_paged_decode_attention": SIGNATURES["qw_paged_decode_attention"]}
+    )
+    build = CKernelLibrary("cpu_paged_attention.c", signatures, _LIBRARY.errors, extra_flags)
     if source is not None:
         build.source = Path(source)
     return build

@@ -18,15 +18,25 @@ reads only the blocks its window touches), beside the torch fallback with the sa
 gathers the whole context and masks it).
 
     .venv/bin/python scripts/bench_cpu_attention.py --dtype bf16 --window 512
+
+With --compare-source FILE another version of kernels/cpu_paged_attention.c (the headers it
+includes are taken from kernels/) is built and timed in the same rounds, as column "other", so that
+a change can be judged on a loaded machine by the ratio k/other:
+
+    git show HEAD~1:kernels/cpu_paged_attention.c > /tmp/old.c
+    .venv/bin/python scripts/bench_cpu_attention.py --dtype bf16 --compare-source /tmp/old.c
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -37,8 +47,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _time_rounds(fns: dict[str, Callable[[int], object]], num_layers: int, iters: dict[str, int]) -> dict:
-    """Interleaved rounds (each function once per layer per round), so that noise from other work on
-    the machine lands on every function alike.
+    """Interleaved rounds (each function once per layer per round, the order reversed every other
+    round), so that noise from other work on the machine lands on every function alike.
 
     Returns per function (median, best, uncontended median) in ms per call. "Uncontended" calls are
     those whose process CPU time reached 90% of threads x wall time: every thread ran throughout,
@@ -52,7 +62,11 @@ def _time_rounds(fns: dict[str, Callable[[int], object]], num_layers: int, iters
     wall: dict[str, list[float]] = {name: [] for name in fns}
     quiet: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(max(iters.values())):
-        for name, fn in fns.items():
+        # Odd rounds run the functions in reverse order: a function run right after another one
+        # meets caches and prefetchers as that one left them (two builds of the same source,
+        # timed in a fixed order, differed by 7% here).
+        order = list(fns.items()) if i % 2 == 0 else list(reversed(fns.items()))
+        for name, fn in order:
             if i >= iters[name]:
                 continue
             for layer in range(num_layers):
@@ -116,7 +130,12 @@ def bench_window(
 
 
 def bench_case(
-    mod: ModuleType, dtype: torch.dtype, num_seqs: int, context: int, args: argparse.Namespace
+    mod: ModuleType,
+    dtype: torch.dtype,
+    num_seqs: int,
+    context: int,
+    args: argparse.Namespace,
+    other: object | None = None,
 ) -> dict:
     num_layers, k_caches, v_caches, qs, block_tables, seq_lens = _make_caches(dtype, num_seqs, context, args)
     esize = torch.finfo(dtype).bits // 8
@@ -147,6 +166,17 @@ def bench_case(
     torch.testing.assert_close(kernel(0).float(), expected.float(), atol=2e-2, rtol=2e-2)
     fns = {"kernel": kernel, "copy": copy, "gather_sdpa": baseline}
     iters = {"kernel": args.iters, "copy": args.iters, "gather_sdpa": max(3, args.iters // 8)}
+    if other is not None:
+
+        def other_kernel(i: int) -> object:
+            return mod.paged_decode_attention(
+                qs[i], k_caches[i], v_caches[i], block_tables, seq_lens, scale, out, library=other
+            )
+
+        torch.testing.assert_close(other_kernel(0).float(), expected.float(), atol=2e-2, rtol=2e-2)
+        # Right after the kernel in every round, so that both meet the machine alike.
+        fns = {"kernel": kernel, "other": other_kernel, "copy": copy, "gather_sdpa": baseline}
+        iters["other"] = args.iters
     row = _time_rounds(fns, num_layers, iters)
     copy_median, copy_min, copy_quiet = row.pop("copy")
     row["copy_gbs"] = 2 * read_bytes / copy_min / 1e6  # read + write, best call
@@ -179,6 +209,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
     parser.add_argument("--window", type=int, default=None, help="compare a sliding window of this many keys")
     parser.add_argument("--window-cases", nargs="+", default=["64x4096"], help="SEQSxCONTEXT, with --window")
+    parser.add_argument(
+        "--compare-source", type=Path, default=None, help="another cpu_paged_attention.c to time beside"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -188,9 +221,19 @@ def main() -> None:
     start = time.perf_counter()
     available = mod.is_available()
     print(
-        f"C kernel available: {available} (load/build {time.perf_counter() - start:.2f} s); "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"C kernel available: {available} (load/build {time.perf_counter() - start:.2f} s), "
+        f"bf16 code {mod.bf16_variant()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+    other = None
+    if args.compare_source is not None:
+        # The other source is built in a folder of its own, beside copies of the kernels' headers.
+        folder = Path(tempfile.mkdtemp(prefix="qw-compare-"))
+        for header in Path(mod.__file__).parent.glob("*.h"):
+            shutil.copy(header, folder)
+        shutil.copy(args.compare_source, folder / "cpu_paged_attention.c")
+        other = mod.kernel_build(source=folder / "cpu_paged_attention.c")
+        other.require()
+        print(f"other: {args.compare_source} (column 'other', ratio k/other)")
     print(
         "ms per call (one layer): median [best call] (median of uncontended calls); "
         "ratios of uncontended medians where there are some"
@@ -211,18 +254,22 @@ def main() -> None:
                     flush=True,
                 )
         return
+    extra = f" {'other':>26} {'o/floor':>7} {'k/other':>7}" if other is not None else ""
     print(
         f"{'dtype':5} {'batch x ctx':>11} {'MB read':>7} {'kernel':>26} {'floor':>26} {'copy GB/s':>9}"
-        f" {'gather+sdpa':>28} {'k/floor':>7} {'sdpa/k':>6}"
+        f" {'gather+sdpa':>28} {'k/floor':>7} {'sdpa/k':>6}{extra}"
     )
     for name in args.dtype:
         for num_seqs, context in CASES:
-            r = bench_case(mod, DTYPES[name], num_seqs, context, args)
+            r = bench_case(mod, DTYPES[name], num_seqs, context, args, other)
             line = (
                 f"{name:5} {f'{num_seqs}x{context}':>11} {r['read_mb']:7.1f} {_cell(r, 'kernel'):>26}"
                 f" {_cell(r, 'floor'):>26} {r['copy_gbs']:9.1f} {_cell(r, 'gather_sdpa'):>28}"
                 f" {_ratio(r, 'kernel', 'floor'):>7} {_ratio(r, 'gather_sdpa', 'kernel'):>6}"
             )
+            if other is not None:
+                line += f" {_cell(r, 'other'):>26} {_ratio(r, 'other', 'floor'):>7}"
+                line += f" {_ratio(r, 'kernel', 'other'):>7}"
             print(line, flush=True)
 
 
