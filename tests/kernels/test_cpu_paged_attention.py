@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -277,6 +278,35 @@ def test_bf16_extras_and_splits_against_generic_code(num_threads: int) -> None:
             assert _within_one_bf16_step(actual, generic).all()
     finally:
         torch.set_num_threads(before)
+
+
+# Builds for the other machine kinds, run here where this CPU can execute them: the AVX2 EPYC
+# (x86-64-v3), an AVX512-BF16 CPU without AMX like the AVX512-BF16 EPYC (cooperlake: GCC 12 has no
+# znver4), the x86-64 baseline. All three must take the generic bf16 code.
+OTHER_TARGETS = {
+    "x86-64-v3": ("x86-64-v3", {"avx2", "fma"}),
+    "avx512bf16-no-amx": ("cooperlake", {"avx512f", "avx512bw", "avx512_bf16", "avx512vl"}),
+    "x86-64": ("x86-64", set()),
+}
+
+
+@needs_kernel
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("target", sorted(OTHER_TARGETS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_other_targets_take_the_generic_code(target: str, dtype: torch.dtype) -> None:
+    march, needs = OTHER_TARGETS[target]
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    build = cpa.kernel_build(extra_flags=(f"-march={march}",))
+    if build.get() is None:
+        pytest.skip(f"the compiler cannot build -march={march}")
+    assert cpa.bf16_variant(build) == "generic"
+    for head_dim, group in ((64, 3), (48, 4)):
+        inputs = make_inputs(lens_for(16), 2, group, head_dim, 16, dtype, seed=head_dim)
+        expected = cpa.paged_decode_attention_float64_reference(*inputs, 0.2)
+        actual = cpa.paged_decode_attention(*inputs, 0.2, library=build)
+        torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
 
 
 @needs_kernel
