@@ -11,19 +11,32 @@ What changes, and why (measured; see docs/reproducibility.md):
 - Norms, rotary, SiLU (the C ops) and the sampler's log_softmax/topk are per row already: measured
   bit-identical for one row in batches of 1 to 2,048; they are left as they are.
 
-CPU only for now: on CUDA the engine refuses the mode (the Triton kernels in
-`qworker_kernels.triton_invariant_matmul` are tested on their own; see docs/reproducibility.md).
+On CUDA (and on the CPU under TRITON_INTERPRET=1, with the Triton attention backend): every
+matmul through `qworker_kernels.triton_invariant_matmul` (one tile configuration, no split-K),
+attention through `qworker_kernels.triton_invariant_attention` (key tiles aligned to absolute
+positions, no split-K, the same kernel for prefill chunks and decodes). The Triton RMSNorm, add +
+RMSNorm, rotary and SiLU-and-mul kernels are left as they are: one program per row, whose block and
+warp count come from the hidden size alone, so a row reduces in one order whatever the row count;
+rotary and SiLU are elementwise. CUDA graphs stay on for dense models: with these kernels a padded
+decode batch's padding rows cannot change a real row. MoE models run their experts one matmul
+pair per expert through the invariant matmul instead of the fused-MoE kernel (which picks its
+tiling by the token count); that path reads expert counts on the host, so their decode steps run
+eagerly (no CUDA graphs). Not yet run on a GPU: see docs/reproducibility.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from qworker_kernels import cpu_invariant_attention, cpu_invariant_gemm
+from qworker_kernels.constants import is_triton_interpreter_enabled
 from torch import nn
 
 from qworker.model.attention import write_kv_cache_torch
 from qworker.model.attention_types import AttentionBackend, AttentionMetadata
 from qworker.model.linear import PackedWeight
+from qworker.model.moe import SparseMoe
 
 
 class InvariantWeight(PackedWeight):
@@ -83,19 +96,71 @@ class InvariantAttentionBackend:
         )  # fmt: skip
 
 
-def make_batch_invariant(model: nn.Module, device: torch.device) -> AttentionBackend:
-    """Switches every matmul of `model` (linear layers, MoE experts, the LM head) to the invariant
-    GEMM and returns the attention backend to run it with. Raises where the mode is not built."""
-    if device.type != "cpu":
-        raise ValueError(
-            f"batch_invariant runs on the CPU only for now, got device {device} (see docs/reproducibility.md)"
-        )
-    if not (cpu_invariant_gemm.is_available() and cpu_invariant_attention.is_available()):
-        raise RuntimeError("batch_invariant needs the C kernels cpu_invariant_*.c, which could not be built")
+class TritonInvariantWeight(PackedWeight):
+    """A PackedWeight whose matmul is the batch-invariant Triton kernel (CUDA, or the interpreter)."""
+
+    def __init__(self) -> None:
+        super().__init__(enabled=True)
+        # Imported at first use: triton reads TRITON_INTERPRET when the kernel is decorated.
+        from qworker_kernels.triton_invariant_matmul import invariant_linear
+
+        self._invariant_linear = invariant_linear
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features], each row's bits independent of the others."""
+        rows = x.reshape(-1, x.shape[-1])
+        out = self._invariant_linear(rows, weight, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class TritonInvariantAttentionBackend:
+    """Every token of the step, prefill or decode, through `triton_invariant_attention`, after the
+    step's K/V are written into the cache. No host syncs and no reads of the metadata's host lists:
+    a decode step can be captured in a CUDA graph (padding rows are rows like any other)."""
+
+    name = "triton"  # the model's elementwise ops are the Triton ones (see select_model_ops)
+
+    def __init__(self, device: torch.device, *, supports_cuda_graphs: bool = True) -> None:
+        if device.type != "cuda" and not is_triton_interpreter_enabled():
+            raise ValueError(
+                f"the Triton invariant attention runs on CUDA or under TRITON_INTERPRET=1, not {device}"
+            )
+        # Imported here, not at module load: triton reads TRITON_INTERPRET when kernels are decorated.
+        from qworker_kernels.triton_invariant_attention import invariant_paged_attention
+        from qworker_kernels.triton_kv_cache import write_kv_cache
+
+        self._write_kv_cache = write_kv_cache
+        self._attention = invariant_paged_attention
+        self.supports_cuda_graphs = supports_cuda_graphs
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv are fine) -> [T, H, D]."""
+        self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return self._attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, out,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
+
+
+def _replace_packed_weights(model: nn.Module, make: Callable[[], PackedWeight]) -> None:
+    """Every PackedWeight of `model` (linear layers, the LM head, MoE experts) becomes make()'s."""
     for module in model.modules():
         for name, value in list(vars(module).items()):
             if isinstance(value, PackedWeight):
-                setattr(module, name, InvariantWeight())
+                setattr(module, name, make())
             elif (
                 isinstance(value, tuple)
                 and value
@@ -103,5 +168,42 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> AttentionBac
                 and all(isinstance(w, PackedWeight) for part in value for w in part)
             ):
                 # MoE experts: (gate_up weights, down weights), one PackedWeight per expert.
-                setattr(module, name, tuple([InvariantWeight() for _ in part] for part in value))
+                setattr(module, name, tuple([make() for _ in part] for part in value))
+
+
+def make_batch_invariant(model: nn.Module, device: torch.device) -> AttentionBackend:
+    """Switches every matmul of `model` (linear layers, MoE experts, the LM head) to an invariant
+    kernel and returns the attention backend to run it with: the Triton kernels when the model
+    runs the Triton ops (CUDA, or the interpreter), the C kernels on the CPU. Raises where the mode
+    is not built."""
+    if getattr(model, "ops", None) is not None and model.ops.name == "triton":
+        return _make_triton_invariant(model, device)
+    if device.type != "cpu":
+        raise ValueError(
+            f"batch_invariant on {device} needs the Triton attention backend (attention_backend "
+            "'auto' or 'triton'): the torch backend's attention and ops are not checked to be "
+            "batch-invariant there (see docs/reproducibility.md)"
+        )
+    if not (cpu_invariant_gemm.is_available() and cpu_invariant_attention.is_available()):
+        raise RuntimeError("batch_invariant needs the C kernels cpu_invariant_*.c, which could not be built")
+    _replace_packed_weights(model, InvariantWeight)
     return InvariantAttentionBackend()
+
+
+def _make_triton_invariant(model: nn.Module, device: torch.device) -> AttentionBackend:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not dtypes <= {torch.bfloat16, torch.float16, torch.float32}:
+        raise ValueError(
+            f"batch_invariant on Triton takes bf16, fp16 or fp32 weights, got {sorted(map(str, dtypes))}"
+        )
+    _replace_packed_weights(model, TritonInvariantWeight)
+    has_moe = False
+    for module in model.modules():
+        if isinstance(module, SparseMoe):
+            # The fused-MoE kernel picks its tiles by the token count: take the per-expert path
+            # (grouped_experts), whose matmuls are the invariant ones replaced above.
+            module._fused_moe = None
+            module._is_fused_moe_looked_up = True
+            has_moe = True
+    # grouped_experts reads the per-expert token counts on the host: not capturable.
+    return TritonInvariantAttentionBackend(device, supports_cuda_graphs=not has_moe)
