@@ -491,7 +491,8 @@ static inline __attribute__((always_inline)) void group_pv(float *acc, const flo
 // goes here (same setup, parts switched off): scores 1.8, P.V 1.0, softmax 0.5, the rest (token
 // offsets, row pointers, issuing the paced prefetches: 12 lines a token) 1.0. From DRAM the
 // kernel's compute and its memory time add up more than they overlap, so this shows at about the
-// same share there (1 thread: 0.88-0.92x of the generic code's time, with the L2 prefetch below).
+// same share there (1 thread, 128 x 400 and 32 x 1000: 0.84-0.92x of the generic code's time, both
+// with the L2 prefetch below; medians of uncontended calls, machine shared).
 // Taken only where it was measured: the AVX512-BF16 EPYC (Zen 4, 512-bit ops split in two halves)
 // keeps the generic code, whose figures there are in the notes above. -DQW_DECODE_GENERIC forces
 // the generic code (the tests compare the two).
