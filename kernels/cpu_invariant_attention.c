@@ -247,8 +247,14 @@ typedef struct {
     float s[QW_MAX_ROWS][QW_AKT] __attribute__((aligned(64)));          // scores
     uint16_t p[QW_MAX_ROWS][QW_AKT] __attribute__((aligned(64)));       // bf16 probabilities
     float o[QW_MAX_ROWS][QW_MAX_D] __attribute__((aligned(64)));        // this tile's P.V
-    uint32_t qp[QW_MAX_ROWS][QW_MAX_D / 2] __attribute__((aligned(64)));  // queries, zero rows after the last
 } AmxScratch;
+
+// One KV head's rows of a work item: queries (zero rows after the last), accumulators, softmax state.
+typedef struct {
+    uint32_t qp[QW_MAX_ROWS][QW_MAX_D / 2] __attribute__((aligned(64)));
+    __m512 acc[QW_MAX_ROWS][QW_MAX_D / 16];
+    float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
+} AmxHead;
 
 // P.V of row tile rt into o: C tiles 0-3 hold dims 16 dc .. 16 dc + 15 for four dc at a time.
 static inline void amx_pv(AmxScratch *w, int rt, int64_t dv) {
@@ -281,33 +287,39 @@ static inline void amx_pv(AmxScratch *w, int rt, int64_t dv) {
 }
 
 // One work item in bf16 on AMX tiles (head_dim a multiple of 32; the thread has loaded a 16 x 64
-// configuration). Keys in tiles of 32 aligned to absolute positions; per tile: S = Q K^T (one C
-// tile per 16 rows x 16 keys, zeroed, then one TDPBF16PS per 32 dims in order), the row-wise
-// online softmax on the stored scores (as unit_dp, over 32 lanes), P rounded to bf16, O = P V (one
-// TDPBF16PS per 16 rows x 16 dims, zeroed), then acc = acc * alpha + O per row. Rows are
-// independent in every step, and a row's lanes outside its keys carry probability 0.
-static void unit_amx(AmxScratch *w, const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                     const uint16_t *v_cache, const int32_t *table, const int32_t *token_pos, int64_t t0,
-                     int64_t nt, int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
-                     int64_t row_elems, float scale, int64_t window, int has_soft_cap, float soft_cap,
-                     uint16_t *out, int64_t out_stride) {
+// configuration): tokens t0 .. t0 + nt - 1 of one sequence, every KV head (the heads' lines of a
+// slot are one contiguous row of the cache, read together). Keys in tiles of 32 aligned to
+// absolute positions; per tile and KV head: S = Q K^T (one C tile per 16 rows x 16 keys, zeroed,
+// then one TDPBF16PS per 32 dims in order), the row-wise online softmax on the stored scores (as
+// unit_dp, over 32 lanes), P rounded to bf16, O = P V (one TDPBF16PS per 16 rows x 16 dims,
+// zeroed), then acc = acc * alpha + O per row. Rows are independent in every step, and a row's
+// lanes outside its keys carry probability 0.
+static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q_stride,
+                     const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+                     const int32_t *token_pos, int64_t t0, int64_t nt, int64_t num_kv_heads, int64_t group,
+                     int64_t head_dim, int64_t block_size, int64_t row_elems, float scale, int64_t window,
+                     int has_soft_cap, float soft_cap, uint16_t *out, int64_t out_stride) {
     const int64_t pairs = head_dim / 2, dchunks = head_dim / 32, dv = head_dim / 16;
     const int64_t rows = nt * group, row_tiles = (rows + 15) / 16;
-    __m512 acc[QW_MAX_ROWS][QW_MAX_D / 16];
-    float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
     int64_t first_key[QW_MAX_ROWS];
-    memset(w->qp, 0, (size_t)row_tiles * 16 * sizeof w->qp[0]);
     for (int64_t i = 0; i < nt; i++) {
         const int64_t pos = token_pos[t0 + i];
         first_key[i] = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t r = i * group + g, h = kvh * group + g;
-            memcpy(w->qp[r], q + (t0 + i) * q_stride + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
-            for (int64_t c = 0; c < dv; c++) acc[r][c] = _mm512_setzero_ps();
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
+    }
+    for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+        AmxHead *hd = &heads[kvh];
+        memset(hd->qp, 0, (size_t)row_tiles * 16 * sizeof hd->qp[0]);
+        for (int64_t i = 0; i < nt; i++) {
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = i * group + g, h = kvh * group + g;
+                memcpy(hd->qp[r], q + (t0 + i) * q_stride + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
+                for (int64_t c = 0; c < dv; c++) hd->acc[r][c] = _mm512_setzero_ps();
+                hd->m[r] = -INFINITY;
+                hd->l[r] = 0.0f;
+            }
         }
     }
+    for (int64_t r = rows; r < row_tiles * 16; r++) memset(w->p[r], 0, sizeof w->p[r]);  // padding rows
     __m512i idx_lo, idx_hi;
     {
         uint16_t lo[32], hi[32];
@@ -318,129 +330,137 @@ static void unit_amx(AmxScratch *w, const uint16_t *q, int64_t q_stride, const u
         idx_lo = _mm512_loadu_si512(lo);
         idx_hi = _mm512_loadu_si512(hi);
     }
-    for (int64_t r = rows; r < row_tiles * 16; r++) memset(w->p[r], 0, sizeof w->p[r]);  // padding rows
     const int64_t last_pos = token_pos[t0 + nt - 1];
     const int64_t lowest = first_key[0];
     for (int64_t tile0 = lowest / QW_AKT * QW_AKT; tile0 <= last_pos; tile0 += QW_AKT) {
         const int64_t any_lo = lowest > tile0 ? lowest - tile0 : 0;
         const int64_t any_hi = last_pos - tile0 + 1 < QW_AKT ? last_pos - tile0 + 1 : QW_AKT;
-        // The next tile's K and V rows, a cache line at a time: decode steps read the cache from
-        // DRAM in block-table order, and one core's demand misses alone cannot keep up.
-        // The next tile's K and V rows of this KV head, a line at a time: decode steps read the
+        // The next tile's slots (every KV head's K and V), a line at a time: decode steps read the
         // cache from DRAM in block-table order.
         for (int64_t p = tile0 + QW_AKT; p < tile0 + 2 * QW_AKT && p <= last_pos; p++) {
             const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-            const char *kp = (const char *)(k_cache + slot * row_elems + kvh * head_dim);
-            const char *vq = (const char *)(v_cache + slot * row_elems + kvh * head_dim);
-            for (int64_t b = 0; b < head_dim * 2; b += 64) {
+            const char *kp = (const char *)(k_cache + slot * row_elems);
+            const char *vq = (const char *)(v_cache + slot * row_elems);
+            for (int64_t b = 0; b < row_elems * 2; b += 64) {
                 _mm_prefetch(kp + b, _MM_HINT_T0);
                 _mm_prefetch(vq + b, _MM_HINT_T0);
             }
         }
-        const uint16_t *krow[QW_AKT], *vrow[QW_AKT];  // NULL: a key no token of the item reads (zeros)
+        int64_t slot_of[QW_AKT];  // -1: a key no token of the item reads (zeros)
         for (int64_t j = 0; j < QW_AKT; j++) {
-            if (j < any_lo || j >= any_hi) {
-                krow[j] = vrow[j] = NULL;
-                continue;
-            }
             const int64_t p = tile0 + j;
-            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-            krow[j] = k_cache + slot * row_elems + kvh * head_dim;
-            vrow[j] = v_cache + slot * row_elems + kvh * head_dim;
+            slot_of[j] = j < any_lo || j >= any_hi ? -1
+                                                   : (int64_t)table[p / block_size] * block_size + p % block_size;
         }
-        for (int h = 0; h < 2; h++) {
-            for (int64_t pb = 0; pb < pairs / 16; pb++) {
-                __m512i r16[16];
-                for (int j = 0; j < 16; j++)
-                    r16[j] = krow[16 * h + j] ? _mm512_loadu_si512((const uint32_t *)krow[16 * h + j] + pb * 16)
-                                              : _mm512_setzero_si512();
-                transpose16_epi32(r16);
-                for (int pp = 0; pp < 16; pp++) _mm512_store_si512(w->kt[pb][h][pp], r16[pp]);
-            }
-        }
-        for (int jp = 0; jp < QW_AKT / 2; jp++) {
-            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-                const __m512i a = vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + d0) : _mm512_setzero_si512();
-                const __m512i b =
-                    vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + d0) : _mm512_setzero_si512();
-                _mm512_store_si512(w->vt[jp] + d0, _mm512_permutex2var_epi16(a, idx_lo, b));
-                _mm512_store_si512(w->vt[jp] + d0 + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
-            }
-        }
-        // S = Q K^T: C tile 2 rt + h, A tiles 4 (rows 0-15) and 5 (16-31), B tiles 6 and 7.
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t c = 0; c < dchunks; c++) {
-            _tile_loadd(6, w->kt[c][0], 64);
-            _tile_loadd(7, w->kt[c][1], 64);
-            _tile_loadd(4, w->qp[0] + 16 * c, QW_MAX_D * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (row_tiles > 1) {
-                _tile_loadd(5, w->qp[16] + 16 * c, QW_MAX_D * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, w->s[0], QW_AKT * 4);
-        _tile_stored(1, w->s[0] + 16, QW_AKT * 4);
-        if (row_tiles > 1) {
-            _tile_stored(2, w->s[16], QW_AKT * 4);
-            _tile_stored(3, w->s[16] + 16, QW_AKT * 4);
-        }
-        // The row-wise online softmax; a row this tile does not concern gets P = 0 and keeps acc.
-        uint8_t active[QW_MAX_ROWS];
-        float alpha[QW_MAX_ROWS];
+        // Which tokens this tile concerns, and their valid lanes (the same for every KV head).
+        uint32_t valid[QW_MAX_ROWS];
+        uint8_t on[QW_MAX_ROWS];
         for (int64_t i = 0; i < nt; i++) {
             const int64_t pos = token_pos[t0 + i], start = first_key[i];
-            const int on = !(tile0 > pos || tile0 + QW_AKT <= start);
+            on[i] = (uint8_t)!(tile0 > pos || tile0 + QW_AKT <= start);
             const int64_t lo = start > tile0 ? start - tile0 : 0;
             const int64_t hi = pos - tile0 + 1 < QW_AKT ? pos - tile0 + 1 : QW_AKT;
-            const uint32_t valid = on ? (uint32_t)(((uint64_t)1 << hi) - 1u) & ~(uint32_t)((((uint64_t)1 << lo) - 1u)) : 0;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t r = i * group + g;
-                active[r] = (uint8_t)on;
-                if (!on) {
-                    memset(w->p[r], 0, sizeof w->p[r]);
-                    continue;
+            valid[i] = on[i] ? (uint32_t)(((uint64_t)1 << hi) - 1u) & ~(uint32_t)(((uint64_t)1 << lo) - 1u) : 0;
+        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            AmxHead *hd = &heads[kvh];
+            const uint16_t *krow[QW_AKT], *vrow[QW_AKT];
+            for (int64_t j = 0; j < QW_AKT; j++) {
+                krow[j] = slot_of[j] < 0 ? NULL : k_cache + slot_of[j] * row_elems + kvh * head_dim;
+                vrow[j] = slot_of[j] < 0 ? NULL : v_cache + slot_of[j] * row_elems + kvh * head_dim;
+            }
+            for (int h = 0; h < 2; h++) {
+                for (int64_t pb = 0; pb < pairs / 16; pb++) {
+                    __m512i r16[16];
+                    for (int j = 0; j < 16; j++)
+                        r16[j] = krow[16 * h + j]
+                                     ? _mm512_loadu_si512((const uint32_t *)krow[16 * h + j] + pb * 16)
+                                     : _mm512_setzero_si512();
+                    transpose16_epi32(r16);
+                    for (int pp = 0; pp < 16; pp++) _mm512_store_si512(w->kt[pb][h][pp], r16[pp]);
                 }
-                v16f s0 = (v16f)_mm512_load_ps(w->s[r]) * splat16(scale);
-                v16f s1 = (v16f)_mm512_load_ps(w->s[r] + 16) * splat16(scale);
-                if (has_soft_cap) {
-                    s0 = vsoft_cap16(s0, soft_cap);
-                    s1 = vsoft_cap16(s1, soft_cap);
+            }
+            for (int jp = 0; jp < QW_AKT / 2; jp++) {
+                for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+                    const __m512i a =
+                        vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + d0) : _mm512_setzero_si512();
+                    const __m512i b =
+                        vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + d0) : _mm512_setzero_si512();
+                    _mm512_store_si512(w->vt[jp] + d0, _mm512_permutex2var_epi16(a, idx_lo, b));
+                    _mm512_store_si512(w->vt[jp] + d0 + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
                 }
-                const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                s0 = (v16f)_mm512_mask_mov_ps(ninf, (__mmask16)(valid & 0xffffu), (__m512)s0);
-                s1 = (v16f)_mm512_mask_mov_ps(ninf, (__mmask16)(valid >> 16), (__m512)s1);
-                const float tile_max = hmax16(vmax16(s0, s1));
-                const float m_new = m[r] > tile_max ? m[r] : tile_max;
-                alpha[r] = expf(m[r] - m_new);  // 0 at the first tile (m = -inf)
-                const v16f p0 = vexp_nonpos16(s0 - splat16(m_new)), p1 = vexp_nonpos16(s1 - splat16(m_new));
-                l[r] = l[r] * alpha[r] + (hsum16(p0) + hsum16(p1));
-                m[r] = m_new;
-                _mm256_store_si256((__m256i *)w->p[r], (__m256i)_mm512_cvtneps_pbh((__m512)p0));
-                _mm256_store_si256((__m256i *)(w->p[r] + 16), (__m256i)_mm512_cvtneps_pbh((__m512)p1));
+            }
+            // S = Q K^T: C tile 2 rt + h, A tiles 4 (rows 0-15) and 5 (16-31), B tiles 6 and 7.
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < dchunks; c++) {
+                _tile_loadd(6, w->kt[c][0], 64);
+                _tile_loadd(7, w->kt[c][1], 64);
+                _tile_loadd(4, hd->qp[0] + 16 * c, QW_MAX_D * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (row_tiles > 1) {
+                    _tile_loadd(5, hd->qp[16] + 16 * c, QW_MAX_D * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, w->s[0], QW_AKT * 4);
+            _tile_stored(1, w->s[0] + 16, QW_AKT * 4);
+            if (row_tiles > 1) {
+                _tile_stored(2, w->s[16], QW_AKT * 4);
+                _tile_stored(3, w->s[16] + 16, QW_AKT * 4);
+            }
+            // The row-wise online softmax; a row this tile does not concern gets P = 0, keeps acc.
+            float alpha[QW_MAX_ROWS];
+            for (int64_t i = 0; i < nt; i++) {
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t r = i * group + g;
+                    if (!on[i]) {
+                        memset(w->p[r], 0, sizeof w->p[r]);
+                        continue;
+                    }
+                    v16f s0 = (v16f)_mm512_load_ps(w->s[r]) * splat16(scale);
+                    v16f s1 = (v16f)_mm512_load_ps(w->s[r] + 16) * splat16(scale);
+                    if (has_soft_cap) {
+                        s0 = vsoft_cap16(s0, soft_cap);
+                        s1 = vsoft_cap16(s1, soft_cap);
+                    }
+                    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                    s0 = (v16f)_mm512_mask_mov_ps(ninf, (__mmask16)(valid[i] & 0xffffu), (__m512)s0);
+                    s1 = (v16f)_mm512_mask_mov_ps(ninf, (__mmask16)(valid[i] >> 16), (__m512)s1);
+                    const float tile_max = hmax16(vmax16(s0, s1));
+                    const float m_new = hd->m[r] > tile_max ? hd->m[r] : tile_max;
+                    alpha[r] = expf(hd->m[r] - m_new);  // 0 at the first tile (m = -inf)
+                    const v16f p0 = vexp_nonpos16(s0 - splat16(m_new)), p1 = vexp_nonpos16(s1 - splat16(m_new));
+                    hd->l[r] = hd->l[r] * alpha[r] + (hsum16(p0) + hsum16(p1));
+                    hd->m[r] = m_new;
+                    _mm256_store_si256((__m256i *)w->p[r], (__m256i)_mm512_cvtneps_pbh((__m512)p0));
+                    _mm256_store_si256((__m256i *)(w->p[r] + 16), (__m256i)_mm512_cvtneps_pbh((__m512)p1));
+                }
+            }
+            for (int rt = 0; rt < row_tiles; rt++) amx_pv(w, rt, dv);
+            for (int64_t r = 0; r < rows; r++) {
+                if (!on[r / group]) continue;
+                const __m512 va = _mm512_set1_ps(alpha[r]);
+                for (int64_t c = 0; c < dv; c++)
+                    hd->acc[r][c] = _mm512_fmadd_ps(hd->acc[r][c], va, _mm512_load_ps(w->o[r] + 16 * c));
             }
         }
-        for (int rt = 0; rt < row_tiles; rt++) amx_pv(w, rt, dv);
-        for (int64_t r = 0; r < rows; r++) {
-            if (!active[r]) continue;
-            const __m512 va = _mm512_set1_ps(alpha[r]);
-            for (int64_t c = 0; c < dv; c++)
-                acc[r][c] = _mm512_fmadd_ps(acc[r][c], va, _mm512_load_ps(w->o[r] + 16 * c));
-        }
     }
-    for (int64_t i = 0; i < nt; i++) {
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t r = i * group + g, h = kvh * group + g;
-            uint16_t *oh = out + (t0 + i) * out_stride + h * head_dim;
-            const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-            for (int64_t c = 0; c < dv; c++)
-                _mm256_storeu_si256((__m256i *)(oh + 16 * c),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+    for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+        const AmxHead *hd = &heads[kvh];
+        for (int64_t i = 0; i < nt; i++) {
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = i * group + g, h = kvh * group + g;
+                uint16_t *oh = out + (t0 + i) * out_stride + h * head_dim;
+                const __m512 inv = _mm512_set1_ps(1.0f / hd->l[r]);
+                for (int64_t c = 0; c < dv; c++)
+                    _mm256_storeu_si256((__m256i *)(oh + 16 * c),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(hd->acc[r][c], inv)));
+            }
         }
     }
 }
@@ -498,9 +518,11 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
     {
 #if defined(QW_HAVE_AMX)
         AmxScratch *scratch = NULL;
+        AmxHead *heads = NULL;
         if (use_amx) {
             scratch = aligned_alloc(64, sizeof(AmxScratch));
-            if (!scratch) {
+            heads = aligned_alloc(64, (size_t)num_kv_heads * sizeof(AmxHead));
+            if (!scratch || !heads) {
 #pragma omp atomic write
                 failed = 1;
             }
@@ -511,18 +533,21 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; w++) {
-        const int64_t run = w / num_kv_heads, kvh = w % num_kv_heads;
-        const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
-        const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
 #if defined(QW_HAVE_AMX)
-        if (use_amx) {
-            if (scratch)
-                unit_amx(scratch, (const uint16_t *)q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
-                         table, token_pos, t0, nt, kvh, group, head_dim, block_size, row_elems, scale, window,
-                         has_soft_cap, soft_cap, (uint16_t *)out, out_stride);
+        if (use_amx) {  // one item per run, every KV head (work counts runs x KV heads: skip the rest)
+            if (w % num_kv_heads != 0) continue;
+            const int64_t run = w / num_kv_heads, t0 = run_start[run], nt = run_start[run + 1] - t0;
+            const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
+            if (scratch && heads)
+                unit_amx(scratch, heads, (const uint16_t *)q, q_stride, (const uint16_t *)k_cache,
+                         (const uint16_t *)v_cache, table, token_pos, t0, nt, num_kv_heads, group, head_dim,
+                         block_size, row_elems, scale, window, has_soft_cap, soft_cap, (uint16_t *)out, out_stride);
             continue;
         }
 #endif
+        const int64_t run = w / num_kv_heads, kvh = w % num_kv_heads;
+        const int64_t t0 = run_start[run], nt = run_start[run + 1] - t0;
+        const int32_t *table = block_tables + (int64_t)token_seq[t0] * max_blocks;
 #if defined(QW_HAVE_DP)
         if (is_bf16) {
             unit_dp((const uint16_t *)q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table,
@@ -664,6 +689,7 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
 #if defined(QW_HAVE_AMX)
         if (use_amx) _tile_release();
         free(scratch);
+        free(heads);
 #endif
     }
     free(run_start);
