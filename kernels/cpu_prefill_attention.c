@@ -384,18 +384,18 @@ static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratc
     const uint16_t *kt = (const uint16_t *)kv->kt + kvh * D * Lp, *vt = (const uint16_t *)kv->v + kvh * D * Lp;
     uint32_t *qt = (uint32_t *)w->q;
     const int64_t pos0 = L - n + first, key_end = pos0 + rows;
-    // Rows past the chunk's end repeat its last query: computed and never stored.
-    int32_t pos_r[QT];
+    // Rows past the chunk's end repeat its last query: computed and never stored. Q^T by gathers:
+    // row d2 of Q^T is the bf16 pair d2 of each query, the queries H * D / 2 pairs apart.
+    int32_t pos_r[QT], pair_r[QT];
     for (int64_t r = 0; r < QT; r++) {
-        const int64_t i = first + (r < rows ? r : rows - 1);
-        const uint32_t *qr = (const uint32_t *)((const uint16_t *)p->q + ((p->query_start[s] + i) * H + h) * D);
-        for (int64_t d2 = 0; d2 < D / 2; d2++) {
-            uint32_t pair;
-            memcpy(&pair, qr + d2, sizeof pair);  // (a bf16 pair: q may be 2-byte aligned only)
-            qt[d2 * QT + r] = pair;
-        }
-        pos_r[r] = (int32_t)(pos0 + (r < rows ? r : rows - 1));
+        const int64_t i = r < rows ? r : rows - 1;
+        pos_r[r] = (int32_t)(pos0 + i);
+        pair_r[r] = (int32_t)(i * H * D / 2);
     }
+    const uint16_t *q0 = (const uint16_t *)p->q + ((p->query_start[s] + first) * H + h) * D;
+    const __m512i pair_index = _mm512_loadu_si512(pair_r);
+    for (int64_t d2 = 0; d2 < D / 2; d2++)
+        _mm512_storeu_si512(qt + d2 * QT, _mm512_i32gather_epi32(pair_index, q0 + 2 * d2, 4));
     memset(w->acc, 0, (size_t)(D * QT) * sizeof(float));
     const __m512i pos = _mm512_loadu_si512(pos_r);
     // The window as a bound on (query position - key position); a causal window fits int32 (the
@@ -490,14 +490,46 @@ static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratc
             _mm512_storeu_si512(pt + 16 * k, _mm512_permutexvar_epi16(interleave, pair));
         }
         l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
-        // O^T = O^T * alpha (per query: per column) + V^T P^T, 32 dims (two tiles) at a time.
+        // O^T = O^T * alpha (per query: per column) + V^T P^T, 64 dims (four tiles) at a time, then
+        // 32 (D = 96, 160, 224): independent accumulators keep the tile unit busy.
         if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ))
             for (int64_t d = 0; d < D; d++)
                 _mm512_storeu_ps(w->acc + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(w->acc + 16 * d), alpha));
         _tile_loadd(6, pt, 64);
         if (keys > 32) _tile_loadd(7, pt + 512, 64);
         const uint16_t *v0 = vt + (j0 / 32) * DV * 512, *v1 = v0 + DV * 512;
-        for (int64_t c = 0; c < DV; c += 2) {
+        int64_t c = 0;
+        for (; c + 4 <= DV; c += 4) {
+            float *a0 = w->acc + c * 256;
+            const uint16_t *x0 = v0 + c * 512, *x1 = v1 + c * 512;
+            _tile_loadd(0, a0, 64);
+            _tile_loadd(1, a0 + 256, 64);
+            _tile_loadd(2, a0 + 512, 64);
+            _tile_loadd(3, a0 + 768, 64);
+            _tile_loadd(4, x0, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, x0 + 512, 64);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_loadd(4, x0 + 1024, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(5, x0 + 1536, 64);
+            _tile_dpbf16ps(3, 5, 6);
+            if (keys > 32) {
+                _tile_loadd(4, x1, 64);
+                _tile_dpbf16ps(0, 4, 7);
+                _tile_loadd(5, x1 + 512, 64);
+                _tile_dpbf16ps(1, 5, 7);
+                _tile_loadd(4, x1 + 1024, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, x1 + 1536, 64);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, a0, 64);
+            _tile_stored(1, a0 + 256, 64);
+            _tile_stored(2, a0 + 512, 64);
+            _tile_stored(3, a0 + 768, 64);
+        }
+        for (; c < DV; c += 2) {
             float *a0 = w->acc + c * 256;
             _tile_loadd(0, a0, 64);
             _tile_loadd(1, a0 + 256, 64);
