@@ -400,9 +400,7 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *row,
         v16i nan = (v.a != v.a) | (v.b != v.b);
         for (i = BLOCK; i + BLOCK <= n; i += BLOCK) {
             v = bload(row, i, bf16);
-            const v16i offset = {(int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i,
-                                 (int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i,
-                                 (int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i};
+            const int32_t offset = (int32_t)i;  // vocab < 2^31
             const v16i up_a = v.a > max_a, up_b = v.b > max_b;
             max_a = (v16f)(((v16i)v.a & up_a) | ((v16i)max_a & ~up_a));
             max_b = (v16f)(((v16i)v.b & up_b) | ((v16i)max_b & ~up_b));

@@ -151,7 +151,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, vocab] fp32 or bf16 (packed rows, any row stride) -> [N] int64, the index of each
     row's largest value as torch.argmax(dim=-1) picks it: the first of equal maxima, the first NaN
     of a row holding one."""
-    if logits.dim() != 2 or logits.dtype not in _DTYPES or logits.shape[1] == 0:
+    # The kernel counts indices in int32 lanes.
+    if logits.dim() != 2 or logits.dtype not in _DTYPES or not 0 < logits.shape[1] < 2**31:
         raise ValueError(
             f"logits must be [N, vocab > 0] fp32 or bf16, got {tuple(logits.shape)} {logits.dtype}"
         )
