@@ -98,11 +98,15 @@ def test_sliding_window_and_soft_cap(block_size, window, soft_cap, threads):
     torch.testing.assert_close(out, want, atol=TOLERANCE, rtol=TOLERANCE)
 
 
-def test_agrees_with_the_vdpbf16ps_path():
-    # Both paths round the same bf16 inputs and probabilities; only the order of the fp32 sums
-    # differs, so they agree far more closely than either does with the float64 reference.
-    kwargs = {"head_dim": 64, "num_heads": 9, "num_kv_heads": 3, "block_size": 16}
-    amx, want = _run(CASES["chunked"], **kwargs)
-    vdp, _ = _run(CASES["chunked"], allow_amx=False, **kwargs)
-    torch.testing.assert_close(amx, vdp, atol=1e-2, rtol=1e-2)
-    assert (amx.float() - vdp.float()).abs().max() <= (vdp.float() - want.float()).abs().max()
+@pytest.mark.parametrize("soft_cap", [None, 2.5])
+def test_as_accurate_as_the_vdpbf16ps_path(soft_cap):
+    # Both paths round the same bf16 inputs and probabilities; only the order of the fp32 sums and
+    # the exp differ. An error the 2e-2 tolerance cannot see (a 1% bias of the probabilities, say)
+    # shows as a larger mean error against the reference. Deterministic inputs: not flaky.
+    kwargs = {"head_dim": 64, "num_heads": 9, "num_kv_heads": 3, "block_size": 16, "scale": 3 / 8}
+    amx, want = _run(CASES["chunked"], logits_soft_cap=soft_cap, **kwargs)
+    vdp, _ = _run(CASES["chunked"], logits_soft_cap=soft_cap, allow_amx=False, **kwargs)
+    torch.testing.assert_close(amx, vdp, atol=TOLERANCE, rtol=TOLERANCE)
+    amx_error = (amx.float() - want.float()).abs().mean()
+    vdp_error = (vdp.float() - want.float()).abs().mean()
+    assert amx_error <= 1.2 * vdp_error, (amx_error, vdp_error)
