@@ -106,24 +106,71 @@ typedef struct {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+#if HAVE_AMX
+// convert_kv for the AMX path (layouts: see SeqKV). K rows are copied as they are; V^T takes two
+// keys at a time where it can (an even key and the next, both in [t0, t1): pieces may start at an
+// odd key, and a pair is one 32-bit store, so no two threads write the same pair), as 32-bit
+// scatters of their interleaved dims.
+static int convert_kv_amx(const Params *p, int64_t s, const SeqKV *kv, int64_t t0, int64_t t1) {
+    const int64_t KV = p->num_kv_heads, D = p->head_dim, BS = p->block_size, Lp = kv->padded_len;
+    const int32_t *table = p->block_tables + s * p->max_blocks;
+    // unpacklo/hi_epi16 of two keys' dims d0 .. d0 + 31 hold, in 128-bit lane i, the pairs of dims
+    // d0 + 8i + 0..3 (lo) and d0 + 8i + 4..7 (hi); dim x of a V^T tile row is 32-bit pair
+    // (x / 16) * 256 + (x % 16) * 16 from the tile column.
+    int32_t lo_i[16], hi_i[16];
+    for (int j = 0; j < 16; j++) {
+        const int x = 8 * (j / 4) + j % 4;
+        lo_i[j] = (x / 16) * 256 + (x % 16) * 16;
+        hi_i[j] = ((x + 4) / 16) * 256 + ((x + 4) % 16) * 16;
+    }
+    const __m512i lo_index = _mm512_loadu_si512(lo_i), hi_index = _mm512_loadu_si512(hi_i);
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t block = table[t / BS];
+        if (block < 0 || block >= p->num_blocks) return QW_BAD_BLOCK_ID;
+        const int64_t base = (block * BS + t % BS) * KV * D;
+        const int pair = t % 2 == 0 && t + 1 < t1;
+        int64_t base1 = 0;
+        if (pair) {
+            const int64_t block1 = table[(t + 1) / BS];
+            if (block1 < 0 || block1 >= p->num_blocks) return QW_BAD_BLOCK_ID;
+            base1 = (block1 * BS + (t + 1) % BS) * KV * D;
+        }
+        for (int64_t h = 0; h < KV; h++) {
+            const uint16_t *k0 = (const uint16_t *)p->k + base + h * D, *v0 = (const uint16_t *)p->v + base + h * D;
+            uint16_t *kt = (uint16_t *)kv->kt + h * D * Lp + t * D;
+            uint16_t *vt = (uint16_t *)kv->v + h * D * Lp + (t / 32) * (D / 16) * 512 + t % 32;
+            memcpy(kt, k0, (size_t)D * sizeof(uint16_t));
+            if (!pair) {  // dim d of key t: V^T tile (t / 32, d / 16), row d % 16, column t % 32
+                for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 32] = v0[d];
+                continue;
+            }
+            const uint16_t *k1 = (const uint16_t *)p->k + base1 + h * D, *v1 = (const uint16_t *)p->v + base1 + h * D;
+            memcpy(kt + D, k1, (size_t)D * sizeof(uint16_t));
+            for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                const __m512i a = _mm512_loadu_si512(v0 + d0), b = _mm512_loadu_si512(v1 + d0);
+                void *dst = vt + (d0 / 16) * 512;  // t even: 4-byte aligned
+                _mm512_i32scatter_epi32(dst, lo_index, _mm512_unpacklo_epi16(a, b), 4);
+                _mm512_i32scatter_epi32(dst, hi_index, _mm512_unpackhi_epi16(a, b), 4);
+            }
+        }
+        t += pair;
+    }
+    return QW_OK;
+}
+#endif
+
 // Copies tokens [t0, t1) of sequence s into its fp32 K^T and V; 0, or QW_BAD_BLOCK_ID.
 static int convert_kv(const Params *p, int64_t s, const SeqKV *kv, int64_t Dp, int64_t t0, int64_t t1) {
     const int64_t KV = p->num_kv_heads, D = p->head_dim, BS = p->block_size, Lp = kv->padded_len;
     const int32_t *table = p->block_tables + s * p->max_blocks;
+#if HAVE_AMX
+    if (p->use_amx) return convert_kv_amx(p, s, kv, t0, t1);
+#endif
     for (int64_t t = t0; t < t1; t++) {
         const int64_t block = table[t / BS];
         if (block < 0 || block >= p->num_blocks) return QW_BAD_BLOCK_ID;
         const int64_t base = ((block * BS + t % BS) * KV) * D;
         for (int64_t h = 0; h < KV; h++) {
-            if (p->use_amx) {
-                const uint16_t *kr = (const uint16_t *)p->k + base + h * D, *vs = (const uint16_t *)p->v + base + h * D;
-                // K row-major [Lp, D] (A tiles of 16 keys x 32 dims); dim d of key t in V^T tile
-                // (t / 32, d / 16), row d % 16, column t % 32 (A tiles of 16 dims x 32 keys).
-                memcpy((uint16_t *)kv->kt + h * D * Lp + t * D, kr, (size_t)D * sizeof(uint16_t));
-                uint16_t *vt = (uint16_t *)kv->v + h * D * Lp + (t / 32) * (D / 16) * 512 + t % 32;
-                for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 32] = vs[d];
-                continue;
-            }
             if (p->use_dp) {
                 const uint16_t *kr = (const uint16_t *)p->k + base + h * D, *vs = (const uint16_t *)p->v + base + h * D;
                 uint16_t *kt2 = (uint16_t *)kv->kt + h * D * Lp + 2 * t;
@@ -601,13 +648,15 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
     p.use_amx = HAVE_AMX && allow_amx && is_bf16 && head_dim % 32 == 0 && qw_prefill_amx_available();
     if (p.use_amx) p.use_dp = 0;
     const int64_t num_seqs = seq_end - seq_begin, Dp = round_up(head_dim, 64);
+    // Floats per key of one KV head's K^T (and of its V): the AMX path keeps bf16, unpadded.
+    const int64_t key_floats = p.use_amx ? head_dim / 2 : Dp;
 
     int64_t num_units = 0, floats = 0;
     for (int64_t s = seq_begin; s < seq_end; s++) {
         const int64_t n = query_start[s + 1] - query_start[s], L = seq_lens[s];
         if (n < 1 || L < n || L > max_blocks * block_size) return QW_BAD_SEQ_LEN;
         num_units += num_heads * ((n + QT - 1) / QT);
-        floats += 2 * num_kv_heads * round_up(L, KB) * Dp;
+        floats += 2 * num_kv_heads * round_up(L, KB) * key_floats;
     }
     Unit *units = malloc((size_t)num_units * sizeof(Unit));
     SeqKV *kv = malloc((size_t)num_seqs * sizeof(SeqKV));
@@ -625,8 +674,8 @@ int qw_paged_prefill_attention(const void *q, const void *k, const void *v, cons
         SeqKV *e = &kv[s - seq_begin];
         e->padded_len = Lp;
         e->kt = kv_data + offset;
-        e->v = e->kt + num_kv_heads * Dp * Lp;
-        offset += 2 * num_kv_heads * Lp * Dp;
+        e->v = e->kt + num_kv_heads * key_floats * Lp;
+        offset += 2 * num_kv_heads * Lp * key_floats;
         for (int64_t h = 0; h < num_heads; h++)
             for (int64_t first = 0; first < n; first += QT)
                 units[ui++] = (Unit){(int32_t)s, (int32_t)h, (int32_t)first,
