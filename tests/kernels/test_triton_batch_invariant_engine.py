@@ -107,3 +107,40 @@ def test_cuda_with_the_torch_backend_is_refused(model) -> None:
     torch_model = tiny_engine(model, attention_backend="torch").runner.model
     with pytest.raises(ValueError, match="Triton attention backend"):
         make_batch_invariant(torch_model, torch.device("cuda"))
+
+
+def test_moe_runs_its_experts_through_the_invariant_matmul_without_graphs() -> None:
+    # The fused-MoE kernel tiles by the token count: the mode takes the per-expert path, whose
+    # host-side expert counts rule out graph capture.
+    from qworker.model.moe import SparseMoe
+    from qworker.model.tiny_families import tiny_family_model
+
+    engine = tiny_engine(
+        tiny_family_model("qwen3_moe", seed=1),
+        attention_backend="triton",
+        device=DEVICE,
+        batch_invariant=True,
+    )
+    assert not engine.runner.backend.supports_cuda_graphs
+    assert engine.runner.cuda_graphs is None
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, SparseMoe)]
+    assert moes and all(m._fused_moe is None and m._is_fused_moe_looked_up for m in moes)
+    assert all(isinstance(w, TritonInvariantWeight) for m in moes for part in m.experts.packed for w in part)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [list(range(3, 37)), [7, 8, 9]]
+
+    def run(indices: list[int]) -> list[tuple]:
+        ids = [
+            engine.add_request(f"m{len(indices)}-{i}", {"prompt_token_ids": prompts[i]}, params)
+            for i in indices
+        ]
+        outs = run_to_completion(engine)
+        return [
+            (
+                outs[r].outputs[0].token_ids,
+                [[(t, lp.logprob) for t, lp in e.items()] for e in outs[r].outputs[0].logprobs],
+            )
+            for r in ids
+        ]
+
+    assert run([0, 1]) == run([0]) + run([1])
