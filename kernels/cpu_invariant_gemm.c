@@ -269,7 +269,7 @@ static int gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *packed, cons
         qw_amx_tilecfg cfg;
         qw_amx_config_all(&cfg, QW_AMX_ROWS, 64);
         _tile_loadconfig(&cfg);
-        float c[QW_AMX_GROUP][QW_AMX_ROWS * QW_NB] __attribute__((aligned(64)));
+        float c[4][QW_AMX_ROWS * QW_NB] __attribute__((aligned(64)));  // the C tiles of one call
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < work; w++) {
             const int64_t chunk = w / groups, g = w % groups;
