@@ -78,7 +78,9 @@ def _weighted_values(p, v, USE_DOT: tl.constexpr, DOT_IEEE: tl.constexpr):
         return tl.sum(p.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
-@triton.jit
+# The JIT specializes an int argument equal to 1 (or divisible by 16) into a separate compiled
+# kernel; the batch's size must not pick the code a row runs, so these stay plain arguments.
+@triton.jit(do_not_specialize=["num_seqs", "stride_qt", "stride_ot", "stride_bt"])
 def _invariant_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]

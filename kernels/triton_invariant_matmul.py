@@ -22,7 +22,9 @@ __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "invariant_linear", "invariant_linea
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
 
 
-@triton.jit
+# The JIT specializes an int argument equal to 1 (or divisible by 16) into a separate compiled
+# kernel; the row count must not pick the code a row runs, so M stays a plain argument.
+@triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, K,
