@@ -414,6 +414,33 @@ static inline __m512 exp2_nonpos(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+// 16 x 16 transpose of 32-bit lanes in registers (row i in, column i out): unpacks of pairs, then
+// of 64-bit halves, then two rounds of 128-bit lane shuffles. Moves bits only (bf16 pairs too).
+static inline void transpose16_ps(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        u[4 * i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        u[4 * i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+        u[4 * i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+        t[8 + j] = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd);
+    }
+}
 // run_unit with TDPBF16PS, transposed so that the softmax runs down columns: one vector holds one
 // key's scores for the tile's 16 queries, and the row maxima and sums are plain vector max and add,
 // no horizontal reductions and no per-row scalar work. S^T [KB keys, QT] = K Q^T (A: 16 keys x 32
@@ -431,18 +458,17 @@ static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratc
     const uint16_t *kt = (const uint16_t *)kv->kt + kvh * D * Lp, *vt = (const uint16_t *)kv->v + kvh * D * Lp;
     uint32_t *qt = (uint32_t *)w->q;
     const int64_t pos0 = L - n + first, key_end = pos0 + rows;
-    // Rows past the chunk's end repeat its last query: computed and never stored. Q^T by gathers:
-    // row d2 of Q^T is the bf16 pair d2 of each query, the queries H * D / 2 pairs apart.
-    int32_t pos_r[QT], pair_r[QT];
-    for (int64_t r = 0; r < QT; r++) {
-        const int64_t i = r < rows ? r : rows - 1;
-        pos_r[r] = (int32_t)(pos0 + i);
-        pair_r[r] = (int32_t)(i * H * D / 2);
-    }
+    // Rows past the chunk's end repeat its last query: computed and never stored. Q^T by 16 x 16
+    // transposes of bf16 pairs: row d2 of Q^T is pair d2 of each query.
+    int32_t pos_r[QT];
     const uint16_t *q0 = (const uint16_t *)p->q + ((p->query_start[s] + first) * H + h) * D;
-    const __m512i pair_index = _mm512_loadu_si512(pair_r);
-    for (int64_t d2 = 0; d2 < D / 2; d2++)
-        _mm512_storeu_si512(qt + d2 * QT, _mm512_i32gather_epi32(pair_index, q0 + 2 * d2, 4));
+    for (int64_t r = 0; r < QT; r++) pos_r[r] = (int32_t)(pos0 + (r < rows ? r : rows - 1));
+    for (int64_t c = 0; c < DC; c++) {
+        __m512 x[16];
+        for (int64_t r = 0; r < QT; r++) x[r] = _mm512_loadu_ps(q0 + (r < rows ? r : rows - 1) * H * D + 32 * c);
+        transpose16_ps(x);
+        for (int j = 0; j < 16; j++) _mm512_storeu_ps(qt + (16 * c + j) * QT, x[j]);
+    }
     memset(w->acc, 0, (size_t)(D * QT) * sizeof(float));
     const __m512i pos = _mm512_loadu_si512(pos_r);
     // The window as a bound on (query position - key position); a causal window fits int32 (the
@@ -597,15 +623,14 @@ static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratc
     // out[r, d] = O^T[d, r] / l[r]: row r is column r of each 16 x 16 block of O^T.
     float inv[QT];
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(QT));
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *o = (uint16_t *)p->out + ((p->query_start[s] + first + r) * H + h) * D;
-        const __m512 ir = _mm512_set1_ps(inv[r]);
-        for (int64_t c = 0; c < DV; c++) {
-            const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, w->acc + c * 256 + r, 4), ir);
-            _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
-        }
+    uint16_t *o = (uint16_t *)p->out + ((p->query_start[s] + first) * H + h) * D;
+    for (int64_t c = 0; c < DV; c++) {
+        __m512 x[16];
+        for (int d = 0; d < 16; d++) x[d] = _mm512_loadu_ps(w->acc + c * 256 + 16 * d);
+        transpose16_ps(x);
+        for (int64_t r = 0; r < rows; r++)
+            _mm256_storeu_si256((__m256i *)(o + r * H * D + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x[r], _mm512_set1_ps(inv[r]))));
     }
 }
 #endif
