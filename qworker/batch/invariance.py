@@ -1,7 +1,7 @@
-"""Batch invariance for `qworker batch`: a local run turns it on (on the CPU, where the mode is
-built), so that a row's greedy output does not depend on which rows shared its steps; a pool run
-cannot choose for the workers, so it warns when a live worker reports the mode off (its stats
-carry `hardware.batch_invariant`). See docs/reproducibility.md."""
+"""Batch invariance for `qworker batch`: a local run turns it on (on the CPU; on CUDA the mode is
+built but not yet checked on a GPU), so that a row's greedy output does not depend on which rows
+shared its steps; a pool run cannot choose for the workers, so it warns when a live worker reports
+the mode off (its stats carry `hardware.batch_invariant`). See docs/reproducibility.md."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 def local_engine_config(config: EngineConfig) -> EngineConfig:
-    """`config` with batch_invariant on, unless the device is CUDA (not built there yet)."""
+    """`config` with batch_invariant on, unless the device is CUDA (built there, not yet checked on
+    a GPU: docs/reproducibility.md)."""
     if config.batch_invariant:
         return config
     if config.device.startswith("cuda") or (config.device == "auto" and _has_cuda()):

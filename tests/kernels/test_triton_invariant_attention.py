@@ -91,9 +91,9 @@ class Store:
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32), b.view(
-        torch.int16 if b.dtype == torch.bfloat16 else torch.int32
-    )))  # fmt: skip
+    """Bit for bit (torch.equal alone would take -0.0 for 0.0)."""
+    as_int = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return a.dtype == b.dtype and bool(torch.equal(a.view(as_int[a.dtype]), b.view(as_int[b.dtype])))
 
 
 EXTRAS = [{}, {"sliding_window": 11, "logits_soft_cap": 5.0}]
