@@ -3,7 +3,9 @@
 1. The invariant Triton matmul (tensor-core path): one row in batches of 1, 7, 64 and 256, and
    inside a padded batch replayed from a CUDA graph, gives the same bits; against cuBLAS
    (F.linear), whose kernel choice by M is what the mode avoids, the stage also records whether
-   the row changes there.
+   the row changes there. The same for the Triton RMSNorm, add + RMSNorm and SiLU-and-mul that
+   the mode keeps; and the invariant attention on one 300-token sequence, whole prefill vs
+   8-token chunks vs decode steps (the default kernel's counts beside it, for information).
 2. The engine with `batch_invariant=True` (SmolLM2-135M's shape, random weights: the GPU machine
    has no model files; bf16; CUDA graphs on): 64 prompts of varied length, greedy with top-5
    logprobs, all together (decode steps replay the graph of 64), probe prompts each alone, all
@@ -117,8 +119,106 @@ def stage_invariance(sizes: Sizes, report: Report) -> dict[str, Any]:
             cases.append(case)
     result: dict[str, Any] = report.partial  # kept if the stage times out
     result.update(cases=cases, failures=failures)
+    result["row_ops"] = _row_ops(device, failures)
+    result["attention"] = _attention_layouts(device, failures)
     result["engine"] = _engine_invariance(sizes, report, failures)
     result["num_failed"] = len(failures)
+    return result
+
+
+def _row_ops(device: Any, failures: list[str]) -> list[dict[str, Any]]:
+    """The Triton RMSNorm, add + RMSNorm and SiLU-and-mul the mode keeps: one row in batches of
+    1, 7, 64 and 256 (bf16, SmolLM2's widths) gives the same bits."""
+    import torch
+    from qworker_kernels.triton_activation import silu_and_mul
+    from qworker_kernels.triton_rmsnorm import fused_add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(1)
+    hidden, inter = (576, 1536) if device.type == "cuda" else (64, 96)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).to(device)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device)
+
+    ops = {
+        "rms_norm": (hidden, lambda x: rms_norm(x, weight, 1e-5)),
+        # In place into the residual: each call gets fresh copies; both outputs are compared.
+        "fused_add_rms_norm": (
+            hidden,
+            lambda x: torch.cat(fused_add_rms_norm(x, x.clone() * 0.5, weight, 1e-5)),
+        ),
+        "silu_and_mul": (2 * inter, silu_and_mul),
+    }
+    rows_out = []
+    for name, (width, op) in ops.items():
+        row = randn(1, width)
+        alone = op(row.clone())
+        equal = []
+        for rows in ROW_COUNTS:
+            batch = randn(rows, width)
+            batch[rows // 2] = row[0]
+            out = op(batch.clone())
+            # fused_add_rms_norm returns [2 * rows, hidden]: the normed rows, then the sums.
+            picked = (
+                out[[rows // 2, rows + rows // 2]]
+                if name == "fused_add_rms_norm"
+                else out[rows // 2 : rows // 2 + 1]
+            )
+            equal.append(bool(torch.equal(picked, alone)))
+        equal_at = dict(zip(ROW_COUNTS, equal, strict=True))
+        rows_out.append({"op": name, "width": width, "equal_at": equal_at})
+        if not all(equal):
+            failures.append(f"{name}: a row differs with the batch size ({equal_at})")
+    return rows_out
+
+
+def _attention_layouts(device: Any, failures: list[str]) -> dict[str, Any]:
+    """The invariant attention on one sequence (SmolLM2's heads, bf16, block size 16): whole-prompt
+    prefill vs 8-token chunks vs one decode step per token, beside other sequences; and the
+    default kernel's count of equal tokens for the same layouts, for comparison."""
+    import torch
+    from qworker_kernels.triton_invariant_attention import invariant_paged_attention
+    from qworker_kernels.triton_paged_attention import paged_attention
+
+    gen = torch.Generator().manual_seed(2)
+    length = 300 if device.type == "cuda" else 20
+    heads, kv_heads, head_dim, block = (9, 3, 64, 16) if device.type == "cuda" else (3, 1, 16, 16)
+    num_blocks = -(-length // block) + 1  # the sequence's, then one for the other sequence
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device)
+
+    q = randn(length, heads, head_dim)
+    k_cache, v_cache = (
+        randn(num_blocks, block, kv_heads, head_dim),
+        randn(num_blocks, block, kv_heads, head_dim),
+    )
+    # Row 0: a 5-token neighbour in the last block; row 1: the sequence, its blocks scrambled.
+    seq_table = torch.randperm(num_blocks - 1, generator=gen).to(torch.int32)
+    other_table = torch.full_like(seq_table, num_blocks - 1)
+    tables = torch.stack([other_table, seq_table]).to(device)
+    other_q = randn(1, heads, head_dim)
+    scale = head_dim**-0.5
+
+    def step(kernel: Any, start: int, end: int) -> torch.Tensor:
+        # The sequence's tokens [start, end) beside the neighbour's decode token: [end - start, H, D].
+        qs = torch.cat([other_q, q[start:end]])
+        qsl = torch.tensor([0, 1, 1 + end - start], dtype=torch.int32, device=device)
+        lens = torch.tensor([5, end], dtype=torch.int32, device=device)
+        return kernel(qs, k_cache, v_cache, tables, qsl, lens, scale)[1:]
+
+    result: dict[str, Any] = {"length": length}
+    for label, kernel in (("invariant", invariant_paged_attention), ("default", paged_attention)):
+        whole = step(kernel, 0, length)
+        chunks = torch.cat([step(kernel, s, min(s + 8, length)) for s in range(0, length, 8)])
+        decodes = torch.cat([step(kernel, t, t + 1) for t in range(length)])
+        equal = {
+            "chunks_of_8": int((chunks == whole).flatten(1).all(1).sum()),
+            "decode": int((decodes == whole).flatten(1).all(1).sum()),
+        }
+        result[label] = equal
+        if label == "invariant" and min(equal.values()) != length:
+            failures.append(f"invariant attention: tokens equal to the whole prefill of {length}: {equal}")
     return result
 
 
