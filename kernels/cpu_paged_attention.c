@@ -496,9 +496,12 @@ static inline __attribute__((always_inline)) void group_pv(float *acc, const flo
 // Taken only where it was measured: the AVX512-BF16 EPYC (Zen 4, 512-bit ops split in two halves)
 // keeps the generic code, whose figures there are in the notes above. -DQW_DECODE_GENERIC forces
 // the generic code (the tests compare the two).
-// Tried and dropped: AMX tiles for the scores (16 tokens x the group's heads per TDPBF16PS, K tiles
-// loaded in place when a tile's rows are evenly strided): 17% less compute with K/V in cache, no gain
-// from DRAM, where a tile load waits for its misses like any load.
+// Tried and dropped (same machine): AMX tiles for the scores (16 tokens x the group's heads per
+// TDPBF16PS, K tiles loaded in place when a tile's rows are evenly strided, else staged): 3.45 ns
+// per head and token with K/V in L2 against 4.1, but 12-20% slower from DRAM (1 thread, uncontended
+// medians, three runs), where a tile load stalls on its misses; prefetching every other line (the
+// pair line did not come with it), bursts at chunk start, extra L1 prefetches of the next KV head's
+// rows, and a lookahead of two chunks: slower or no better.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_BF16__) && !defined(QW_DECODE_GENERIC)
 #define QW_DECODE_AVX512 1
 #include <immintrin.h>
