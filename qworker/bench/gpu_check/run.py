@@ -56,9 +56,10 @@ REGISTRY: list[Stage] = [
     Stage("roofline", lambda c: stage_roofline(c.sizes, c.report), 30, 90),
     Stage("profile", lambda c: stage_profile(c.sizes, c.report, c.out_dir), 10, 60),
     Stage("e2e", lambda c: stage_e2e(c.sizes, c.report), 35, 120),
-    Stage("serving", lambda c: stage_serving(c.sizes, c.report), 60, 180),
+    Stage("serving", lambda c: stage_serving(c.sizes, c.report), 45, 180),
     Stage("cold_start", lambda c: stage_cold_start(c.sizes, c.report), 30, 120),
-    Stage("invariance", lambda c: stage_invariance(c.sizes, c.report), 15, 60),
+    # Several engine runs with CUDA graphs (64 prompts, probes alone, a small budget, cache hits).
+    Stage("invariance", lambda c: stage_invariance(c.sizes, c.report), 30, 60),
     Stage(
         "pytest",
         lambda c: {"skipped": "smoke mode"} if c.cpu_smoke else stage_pytest(c.report, c.repo),
