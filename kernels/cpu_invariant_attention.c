@@ -253,7 +253,7 @@ typedef struct {
 typedef struct {
     uint32_t qp[QW_MAX_ROWS][QW_MAX_D / 2] __attribute__((aligned(64)));
     __m512 acc[QW_MAX_ROWS][QW_MAX_D / 16];
-    float m[QW_MAX_ROWS], l[QW_MAX_ROWS];
+    float m[QW_MAX_ROWS], l[QW_MAX_ROWS], alpha[QW_MAX_ROWS];
 } AmxHead;
 
 // P.V of row tile rt into o: C tiles 0-3 hold dims 16 dc .. 16 dc + 15 for four dc at a time.
@@ -294,7 +294,7 @@ static inline void amx_pv(AmxScratch *w, int rt, int64_t dv) {
 // unit_dp, over 32 lanes), P rounded to bf16, O = P V (one TDPBF16PS per 16 rows x 16 dims,
 // zeroed), then acc = acc * alpha + O per row. Rows are independent in every step, and a row's
 // lanes outside its keys carry probability 0.
-static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q_stride,
+static void unit_amx(AmxScratch *w /* [num_kv_heads] */, AmxHead *heads, const uint16_t *q, int64_t q_stride,
                      const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
                      const int32_t *token_pos, int64_t t0, int64_t nt, int64_t num_kv_heads, int64_t group,
                      int64_t head_dim, int64_t block_size, int64_t row_elems, float scale, int64_t window,
@@ -319,7 +319,8 @@ static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q
             }
         }
     }
-    for (int64_t r = rows; r < row_tiles * 16; r++) memset(w->p[r], 0, sizeof w->p[r]);  // padding rows
+    for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)  // padding rows
+        for (int64_t r = rows; r < row_tiles * 16; r++) memset(w[kvh].p[r], 0, sizeof w[kvh].p[r]);
     __m512i idx_lo, idx_hi;
     {
         uint16_t lo[32], hi[32];
@@ -362,8 +363,11 @@ static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q
             const int64_t hi = pos - tile0 + 1 < QW_AKT ? pos - tile0 + 1 : QW_AKT;
             valid[i] = on[i] ? (uint32_t)(((uint64_t)1 << hi) - 1u) & ~(uint32_t)(((uint64_t)1 << lo) - 1u) : 0;
         }
+        // Four passes over the KV heads (pack, S, softmax, P.V), so that a tile load never
+        // reads lines that plain stores wrote just before: a tile load waits for them to
+        // commit, which was a fifth of the kernel's time when each head ran its steps in turn.
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
-            AmxHead *hd = &heads[kvh];
+            AmxScratch *wk = &w[kvh];
             const uint16_t *krow[QW_AKT], *vrow[QW_AKT];
             for (int64_t j = 0; j < QW_AKT; j++) {
                 krow[j] = slot_of[j] < 0 ? NULL : k_cache + slot_of[j] * row_elems + kvh * head_dim;
@@ -377,7 +381,7 @@ static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q
                                      ? _mm512_loadu_si512((const uint32_t *)krow[16 * h + j] + pb * 16)
                                      : _mm512_setzero_si512();
                     transpose16_epi32(r16);
-                    for (int pp = 0; pp < 16; pp++) _mm512_store_si512(w->kt[pb][h][pp], r16[pp]);
+                    for (int pp = 0; pp < 16; pp++) _mm512_store_si512(wk->kt[pb][h][pp], r16[pp]);
                 }
             }
             for (int jp = 0; jp < QW_AKT / 2; jp++) {
@@ -386,18 +390,22 @@ static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q
                         vrow[2 * jp] ? _mm512_loadu_si512(vrow[2 * jp] + d0) : _mm512_setzero_si512();
                     const __m512i b =
                         vrow[2 * jp + 1] ? _mm512_loadu_si512(vrow[2 * jp + 1] + d0) : _mm512_setzero_si512();
-                    _mm512_store_si512(w->vt[jp] + d0, _mm512_permutex2var_epi16(a, idx_lo, b));
-                    _mm512_store_si512(w->vt[jp] + d0 + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
+                    _mm512_store_si512(wk->vt[jp] + d0, _mm512_permutex2var_epi16(a, idx_lo, b));
+                    _mm512_store_si512(wk->vt[jp] + d0 + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
                 }
             }
+        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            AmxHead *hd = &heads[kvh];
+            AmxScratch *wk = &w[kvh];
             // S = Q K^T: C tile 2 rt + h, A tiles 4 (rows 0-15) and 5 (16-31), B tiles 6 and 7.
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t c = 0; c < dchunks; c++) {
-                _tile_loadd(6, w->kt[c][0], 64);
-                _tile_loadd(7, w->kt[c][1], 64);
+                _tile_loadd(6, wk->kt[c][0], 64);
+                _tile_loadd(7, wk->kt[c][1], 64);
                 _tile_loadd(4, hd->qp[0] + 16 * c, QW_MAX_D * 2);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
@@ -407,23 +415,26 @@ static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q
                     _tile_dpbf16ps(3, 5, 7);
                 }
             }
-            _tile_stored(0, w->s[0], QW_AKT * 4);
-            _tile_stored(1, w->s[0] + 16, QW_AKT * 4);
+            _tile_stored(0, wk->s[0], QW_AKT * 4);
+            _tile_stored(1, wk->s[0] + 16, QW_AKT * 4);
             if (row_tiles > 1) {
-                _tile_stored(2, w->s[16], QW_AKT * 4);
-                _tile_stored(3, w->s[16] + 16, QW_AKT * 4);
+                _tile_stored(2, wk->s[16], QW_AKT * 4);
+                _tile_stored(3, wk->s[16] + 16, QW_AKT * 4);
             }
+        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            AmxHead *hd = &heads[kvh];
+            AmxScratch *wk = &w[kvh];
             // The row-wise online softmax; a row this tile does not concern gets P = 0, keeps acc.
-            float alpha[QW_MAX_ROWS];
             for (int64_t i = 0; i < nt; i++) {
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t r = i * group + g;
                     if (!on[i]) {
-                        memset(w->p[r], 0, sizeof w->p[r]);
+                        memset(wk->p[r], 0, sizeof wk->p[r]);
                         continue;
                     }
-                    v16f s0 = (v16f)_mm512_load_ps(w->s[r]) * splat16(scale);
-                    v16f s1 = (v16f)_mm512_load_ps(w->s[r] + 16) * splat16(scale);
+                    v16f s0 = (v16f)_mm512_load_ps(wk->s[r]) * splat16(scale);
+                    v16f s1 = (v16f)_mm512_load_ps(wk->s[r] + 16) * splat16(scale);
                     if (has_soft_cap) {
                         s0 = vsoft_cap16(s0, soft_cap);
                         s1 = vsoft_cap16(s1, soft_cap);
@@ -433,20 +444,24 @@ static void unit_amx(AmxScratch *w, AmxHead *heads, const uint16_t *q, int64_t q
                     s1 = (v16f)_mm512_mask_mov_ps(ninf, (__mmask16)(valid[i] >> 16), (__m512)s1);
                     const float tile_max = hmax16(vmax16(s0, s1));
                     const float m_new = hd->m[r] > tile_max ? hd->m[r] : tile_max;
-                    alpha[r] = expf(hd->m[r] - m_new);  // 0 at the first tile (m = -inf)
+                    hd->alpha[r] = expf(hd->m[r] - m_new);  // 0 at the first tile (m = -inf)
                     const v16f p0 = vexp_nonpos16(s0 - splat16(m_new)), p1 = vexp_nonpos16(s1 - splat16(m_new));
-                    hd->l[r] = hd->l[r] * alpha[r] + (hsum16(p0) + hsum16(p1));
+                    hd->l[r] = hd->l[r] * hd->alpha[r] + (hsum16(p0) + hsum16(p1));
                     hd->m[r] = m_new;
-                    _mm256_store_si256((__m256i *)w->p[r], (__m256i)_mm512_cvtneps_pbh((__m512)p0));
-                    _mm256_store_si256((__m256i *)(w->p[r] + 16), (__m256i)_mm512_cvtneps_pbh((__m512)p1));
+                    _mm256_store_si256((__m256i *)wk->p[r], (__m256i)_mm512_cvtneps_pbh((__m512)p0));
+                    _mm256_store_si256((__m256i *)(wk->p[r] + 16), (__m256i)_mm512_cvtneps_pbh((__m512)p1));
                 }
             }
-            for (int rt = 0; rt < row_tiles; rt++) amx_pv(w, rt, dv);
+        }
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            AmxHead *hd = &heads[kvh];
+            AmxScratch *wk = &w[kvh];
+            for (int rt = 0; rt < row_tiles; rt++) amx_pv(wk, rt, dv);
             for (int64_t r = 0; r < rows; r++) {
                 if (!on[r / group]) continue;
-                const __m512 va = _mm512_set1_ps(alpha[r]);
+                const __m512 va = _mm512_set1_ps(hd->alpha[r]);
                 for (int64_t c = 0; c < dv; c++)
-                    hd->acc[r][c] = _mm512_fmadd_ps(hd->acc[r][c], va, _mm512_load_ps(w->o[r] + 16 * c));
+                    hd->acc[r][c] = _mm512_fmadd_ps(hd->acc[r][c], va, _mm512_load_ps(wk->o[r] + 16 * c));
             }
         }
     }
@@ -520,7 +535,7 @@ int qw_inv_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         AmxScratch *scratch = NULL;
         AmxHead *heads = NULL;
         if (use_amx) {
-            scratch = aligned_alloc(64, sizeof(AmxScratch));
+            scratch = aligned_alloc(64, (size_t)num_kv_heads * sizeof(AmxScratch));  // one per KV head
             heads = aligned_alloc(64, (size_t)num_kv_heads * sizeof(AmxHead));
             if (!scratch || !heads) {
 #pragma omp atomic write

@@ -11,6 +11,7 @@ speed-ups switched off:
                   fills in it (blocks cached only after the step), as before prefix caching
                   within a step; try it with --workload shared-prefix
   (torch-ops,unpacked,sdpa, the default, is the engine before the first round of them)
+  --batch-invariant  B runs with EngineConfig.batch_invariant=True (with --a "": the mode's cost)
 
 Both engines get `offline-mixed`'s requests (or --num-requests of them) all at once and run
 --steps steps each (prefill steps first, then decode steps). It prints the median time of each
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -63,6 +65,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="per engine (default: the engine's)")
+    parser.add_argument("--batch-invariant", action="store_true", help="B with batch_invariant=True")
     args = parser.parse_args()
     switches = [s for s in args.a.split(",") if s]
     assert all(s in SWITCHES for s in switches), f"--a takes {SWITCHES}"
@@ -70,7 +73,7 @@ def main() -> None:
     spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
     requests = requests_for_model(spec, "smollm2")
     config = EngineConfig(dtype=args.dtype, device="cpu", num_kv_blocks=args.num_kv_blocks)
-    engines = {name: LLMEngine(config) for name in ("A", "B")}
+    engines = {"A": LLMEngine(config), "B": LLMEngine(replace(config, batch_invariant=args.batch_invariant))}
     switch_off(engines["A"], switches)
     for engine in engines.values():
         engine.add_request("warmup", {"prompt_token_ids": [33] * 64}, sampling_params_for(requests[0]))
