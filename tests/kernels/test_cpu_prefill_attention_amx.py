@@ -110,3 +110,20 @@ def test_as_accurate_as_the_vdpbf16ps_path(soft_cap):
     amx_error = (amx.float() - want.float()).abs().mean()
     vdp_error = (vdp.float() - want.float()).abs().mean()
     assert amx_error <= 1.2 * vdp_error, (amx_error, vdp_error)
+
+
+def test_only_the_given_sequences_are_written():
+    batch = make_paged_batch(
+        [(0, 3), (40, 50), (0, 70)],
+        block_size=16,
+        head_dim=64,
+        num_heads=4,
+        num_kv_heads=2,
+        dtype=torch.bfloat16,
+    )
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    out = torch.full_like(batch.q, 7.0)
+    kernel.paged_prefill_attention(*args, 1, 3, batch.scale, out)
+    assert torch.all(out[:3] == 7.0)
+    want = kernel.paged_prefill_attention_reference(*args, 1, 3, batch.scale)
+    torch.testing.assert_close(out[3:], want[3:], atol=TOLERANCE, rtol=TOLERANCE)
