@@ -24,9 +24,13 @@
 //
 // bf16 on a CPU with AMX (built with -march=native where the compiler defines __AMX_BF16__ and
 // __AMX_TILE__, head_dim a multiple of 32, and the process granted the tile state: cpu_amx.h) takes
-// a third path, run_unit_amx: both products by TDPBF16PS on 16 x 16 fp32 tiles, K and V packed per
-// tile (see SeqKV), the online softmax in AVX-512 on the fp32 scores the tiles store. Refused the
-// tile state, it takes the VDPBF16PS path (or the fp32 one).
+// a third path, run_unit_amx: both products by TDPBF16PS on 16 x 16 fp32 tiles, computed transposed
+// (S^T = K Q^T, O^T += V^T P^T) so that the online softmax in AVX-512 runs down columns, one vector
+// per key for the tile's 16 queries. Refused the tile state, it takes the VDPBF16PS path (or the
+// fp32 one). On the 2-core AMX Xeon, same shapes, 2048 query tokens a call in prompts of 32-512
+// (scripts/bench_cpu_prefill_attention.py, median calls, machine shared with other work): one
+// thread 76-371 GFLOP/s against 19-80 for the VDPBF16PS path in the same run (3.9-4.9x), two
+// threads 88-591 against 31-144 (2.8-4.1x); short prompts gain least (a tile's one key block).
 //
 // Measured on the 2-core AVX-512-BF16 EPYC (Zen 4), SmolLM2 shapes (9 heads, 3 KV heads, head_dim
 // 64), bf16, one thread, prompts of 280-500 tokens: 82-99 GFLOP/s with the VDPBF16PS path against
@@ -544,8 +548,8 @@ static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratc
         // and their P is all masked.
         const __mmask16 seen = _mm512_cmp_ps_mask(m_new, minus_inf, _CMP_NEQ_OQ);
         const __m512 m_use = _mm512_maskz_mov_ps(seen, m_new);
-        const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, minus_inf, _CMP_NEQ_OQ),
-                                                 exp2_nonpos(_mm512_sub_ps(m, m_use)));
+        const __mmask16 had = _mm512_cmp_ps_mask(m, minus_inf, _CMP_NEQ_OQ);  // rows with some O^T
+        const __m512 alpha = _mm512_maskz_mov_ps(had, exp2_nonpos(_mm512_sub_ps(m, m_use)));
         m = m_new;
         __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
         uint16_t *pt = w->pbf;
@@ -565,7 +569,8 @@ static void run_unit_amx(const Params *p, const Unit *u, const SeqKV *kv, Scratc
         l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
         // O^T = O^T * alpha (per query: per column) + V^T P^T, 64 dims (four tiles) at a time, then
         // 32 (D = 96, 160, 224): independent accumulators keep the tile unit busy.
-        if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ))
+        // Only rows with some O^T need it (the others are zero): none on a tile's first block.
+        if (_mm512_mask_cmp_ps_mask(had, alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ))
             for (int64_t d = 0; d < D; d++)
                 _mm512_storeu_ps(w->acc + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(w->acc + 16 * d), alpha));
         _tile_loadd(6, pt, 64);
