@@ -5,6 +5,9 @@ fp32 every prompt must match (the tests assert it); in bf16 rounding differs bet
 implementations, so this counts the matching prompts and prints where each one first diverges.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/parity_count.py --dtype bfloat16 --max-tokens 32
+
+Twelve prompts make a coarse count: any change of rounding moves a few of them. `--random-prompts
+N` adds N prompts of random token ids (seeded, 16-200 tokens), to compare two builds on more.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ def prompt_token_ids(path: str) -> list[list[int]]:
     return raw + chats
 
 
+def random_prompts(num: int, vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 201, (num,), generator=generator).tolist()
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
 def transformers_greedy(path: str, prompts: list[list[int]], dtype: torch.dtype, n: int) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     outs = []
@@ -52,12 +61,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--random-prompts", type=int, default=0, help="add this many random-token prompts")
     args = parser.parse_args()
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     path = str(resolve_model("smollm2").path)
     prompts = prompt_token_ids(path)
+    if args.random_prompts:
+        prompts += random_prompts(args.random_prompts, AutoTokenizer.from_pretrained(path).vocab_size)
     expected = transformers_greedy(path, prompts, dtype, args.max_tokens)
-    llm = LLM("smollm2", dtype=args.dtype, num_kv_blocks=400)
+    llm = LLM("smollm2", dtype=args.dtype, num_kv_blocks=max(400, 20 * len(prompts)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     got = [list(o.outputs[0].token_ids) for o in outs]
@@ -77,6 +89,7 @@ def main() -> None:
                 "torch_threads": torch.get_num_threads(),
                 "num_prompts": len(prompts),
                 "num_same": num_same,
+                "num_same_of_first_12": sum(d is None for d in first_diff[:12]),
                 # Per prompt: the first output position that differs (None: all the same).
                 "first_diff": first_diff,
             }
