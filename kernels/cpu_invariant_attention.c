@@ -84,6 +84,18 @@ static inline void transpose16_epi32(__m512i r[16]) {
     }
 }
 
+// permutex2var indices interleaving two rows of 32 bf16 (a: 0-31, b: 32-63) into pairs: lo takes
+// the pairs of elements 0-15, hi of 16-31.
+static inline void pair_interleave_indices(__m512i *lo, __m512i *hi) {
+    uint16_t l[32], h[32];
+    for (int i = 0; i < 32; i++) {
+        l[i] = (uint16_t)((i & 1 ? 32 : 0) + i / 2);
+        h[i] = (uint16_t)((i & 1 ? 32 : 0) + 16 + i / 2);
+    }
+    *lo = _mm512_loadu_si512(l);
+    *hi = _mm512_loadu_si512(h);
+}
+
 // One work item (tokens t0 .. t0 + nt - 1 of one sequence at consecutive positions, KV head kvh)
 // in bf16 with VDPBF16PS; see the header comment. q, out: bf16 [tokens, H, D]; caches bf16.
 static void unit_dp(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -109,17 +121,8 @@ static void unit_dp(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
             l[r] = 0.0f;
         }
     }
-    // permutex2var indices interleaving two rows of 32 bf16 (a: 0-31, b: 32-63) into pairs.
     __m512i idx_lo, idx_hi;
-    {
-        uint16_t lo[32], hi[32];
-        for (int i = 0; i < 32; i++) {
-            lo[i] = (uint16_t)((i & 1 ? 32 : 0) + i / 2);
-            hi[i] = (uint16_t)((i & 1 ? 32 : 0) + 16 + i / 2);
-        }
-        idx_lo = _mm512_loadu_si512(lo);
-        idx_hi = _mm512_loadu_si512(hi);
-    }
+    pair_interleave_indices(&idx_lo, &idx_hi);
     const int64_t last_pos = token_pos[t0 + nt - 1];
     const int64_t lowest = first_key[0];
     for (int64_t tile0 = lowest / QW_KT * QW_KT; tile0 <= last_pos; tile0 += QW_KT) {
@@ -322,15 +325,7 @@ static void unit_amx(AmxScratch *w /* [num_kv_heads] */, AmxHead *heads, const u
     for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)  // padding rows
         for (int64_t r = rows; r < row_tiles * 16; r++) memset(w[kvh].p[r], 0, sizeof w[kvh].p[r]);
     __m512i idx_lo, idx_hi;
-    {
-        uint16_t lo[32], hi[32];
-        for (int i = 0; i < 32; i++) {
-            lo[i] = (uint16_t)((i & 1 ? 32 : 0) + i / 2);
-            hi[i] = (uint16_t)((i & 1 ? 32 : 0) + 16 + i / 2);
-        }
-        idx_lo = _mm512_loadu_si512(lo);
-        idx_hi = _mm512_loadu_si512(hi);
-    }
+    pair_interleave_indices(&idx_lo, &idx_hi);
     const int64_t last_pos = token_pos[t0 + nt - 1];
     const int64_t lowest = first_key[0];
     for (int64_t tile0 = lowest / QW_AKT * QW_AKT; tile0 <= last_pos; tile0 += QW_AKT) {
