@@ -132,3 +132,12 @@ def compile_for_sm90() -> Callable[[str, list[dict[str, Any]]], list[dict[str, A
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     return compile_kernels
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch's (and the C kernels' OpenMP) thread count for the test, 1 then 2; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

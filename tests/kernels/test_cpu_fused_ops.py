@@ -18,14 +18,6 @@ pytestmark = [
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def assert_close_ulps(got: torch.Tensor, want: torch.Tensor, max_ulps: int, max_share: float) -> None:
     """bf16: at most `max_share` of the elements differ, each by at most `max_ulps` units in the last
     place. fp32: within a few ulps (relative 1e-6), wherever the last bits go."""

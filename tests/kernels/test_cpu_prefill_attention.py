@@ -17,14 +17,6 @@ pytestmark = [
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 CASES = [
     # (cached prefix, chunk) per sequence
     [(0, 1)],

@@ -28,14 +28,6 @@ pytestmark = [
 TOLERANCE = 2e-2  # as the kernel's other bf16 tests: bf16 inputs, probabilities rounded to bf16
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def test_amx_path_is_taken():
     # On an AMX CPU the kernel is built for AMX and Linux grants the tile state: if this fails, every
     # other test here checks the VDPBF16PS path instead.
