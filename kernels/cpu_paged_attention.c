@@ -4,8 +4,8 @@
 // Built at first use by cpu_paged_attention.py with `gcc -O3 -march=native -fopenmp` and called
 // through ctypes. The vector code uses GCC vector extensions at 8 floats (one AVX2 register), not
 // intrinsics, so one source builds for any target GCC knows (checked: x86-64 baseline SSE2, same
-// results; AVX2) and the tested code is the shipped code. The one exception is the bf16 path of the
-// AMX Xeons (AVX512-BF16 dot products, in intrinsics; see "bf16 on Intel cores" below), which
+// results; AVX2) and the tested code is the shipped code. The one exception is the bf16 path of CPUs
+// with AVX512-BF16 (dot products, in intrinsics; see "bf16 on cores with AVX512-BF16" below), which
 // replaces the scores and P.V loops there and keeps everything else.
 //
 // Layouts (all contiguous, element offsets):
@@ -44,10 +44,13 @@
 
 #include "cpu_simd.h"
 
-// Software prefetches go to L1 (3), except on the AMX Xeons, where prefetching into L2 (2) was
-// about 10% faster from DRAM (bf16 and fp32, 1 thread, 128 x 400 and 32 x 1000, SmolLM2-135M
-// shapes, loaded machine; a pace 1.5x or 2x faster was 10-25% slower there, as on the EPYC).
-#if defined(__AMX_BF16__)
+// Software prefetches go to L1 (3) on AVX2-only CPUs and into L2 (2) on AVX-512 ones. On the AMX
+// Xeons L2 was about 10% faster from DRAM (bf16 and fp32, 1 thread, 128 x 400 and 32 x 1000,
+// SmolLM2-135M shapes, loaded machine; a pace 1.5x or 2x faster was 10-25% slower there, as on the
+// EPYC). On the AVX512-BF16 EPYC (Zen 4, 2 threads, same shapes, quiet) L2 alone made the generic
+// code 1.07-1.09x faster in bf16 and 1.11-1.26x in fp32; with the AVX512-BF16 path below, bf16 went
+// 1.27-1.38x faster than the generic code with L1 prefetches (k/floor 2.2-2.3 -> 1.7-2.3).
+#if defined(__AVX512F__)
 #define PREFETCH_LOCALITY 2
 #else
 #define PREFETCH_LOCALITY 3
@@ -487,7 +490,7 @@ static inline __attribute__((always_inline)) void group_pv(float *acc, const flo
     if (G - g == 1) accumulate_pv1(acc + g * D, alpha[g], p + g * C, row, n, D, bf16, pf);
 }
 
-// ---- bf16 on Intel cores with AVX512-BF16 (the AMX Xeons) -----------------------------------------
+// ---- bf16 on cores with AVX512-BF16 (the AMX Xeons, the AVX512-BF16 EPYC) ------------------------
 //
 // Scores by VDPBF16PS on the raw bf16 q and K (fp32 products and sums, scale applied after), P.V by
 // 16-lane FMAs with all of a KV head's accumulators in registers, softmax at 16 lanes. Measured on a
@@ -498,16 +501,17 @@ static inline __attribute__((always_inline)) void group_pv(float *acc, const flo
 // kernel's compute and its memory time add up more than they overlap, so this shows at about the
 // same share there (1 thread, 128 x 400 and 32 x 1000: 0.84-0.92x of the generic code's time, both
 // with the L2 prefetch below; medians of uncontended calls, machine shared).
-// Taken only where it was measured: the AVX512-BF16 EPYC (Zen 4, 512-bit ops split in two halves)
-// keeps the generic code, whose figures there are in the notes above. -DQW_DECODE_GENERIC forces
-// the generic code (the tests compare the two).
+// Taken on every CPU with AVX512-BF16: the AMX Xeons and the AVX512-BF16 EPYC (Zen 4, 512-bit ops
+// split in two halves), where with the L2 prefetch it measured 1.27-1.38x the generic code's speed
+// from DRAM (figures with the prefetch note above). -DQW_DECODE_GENERIC forces the generic code
+// (the tests compare the two).
 // Tried and dropped (same machine): AMX tiles for the scores (16 tokens x the group's heads per
 // TDPBF16PS, K tiles loaded in place when a tile's rows are evenly strided, else staged): 3.45 ns
 // per head and token with K/V in L2 against 4.1, but 12-20% slower from DRAM (1 thread, uncontended
 // medians, three runs), where a tile load stalls on its misses; prefetching every other line (the
 // pair line did not come with it), bursts at chunk start, extra L1 prefetches of the next KV head's
 // rows, and a lookahead of two chunks: slower or no better.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_BF16__) && !defined(QW_DECODE_GENERIC)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(QW_DECODE_GENERIC)
 #define QW_DECODE_AVX512 1
 #include <immintrin.h>
 

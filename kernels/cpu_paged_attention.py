@@ -11,8 +11,9 @@ Sliding windows and soft-capping (per layer, keyword arguments of every function
 C kernel too: a windowed decode reads only the blocks its window touches, so it costs the window,
 not the context.
 
-On the AMX Xeons the bf16 scores and P.V run AVX512-BF16 code (``bf16_variant()`` says which the
-build took); elsewhere the generic vector code, the same source.
+On CPUs with AVX512-BF16 (the AMX Xeons, the AVX512-BF16 EPYC) the bf16 scores and P.V run
+AVX512-BF16 code (``bf16_variant()`` says which the build took); elsewhere the generic vector code,
+the same source.
 
 It imports no triton: the engine's torch backend uses it on machines without triton.
 """
@@ -88,8 +89,8 @@ def kernel_build(source: Path | None = None, extra_flags: Sequence[str] = ()) ->
 
 
 def bf16_variant(library: CKernelLibrary = _LIBRARY) -> str | None:
-    """The bf16 code the C kernel was built with on this CPU: "avx512-bf16" (the AMX Xeons'
-    VDPBF16PS path) or "generic"; None when the kernel is not available."""
+    """The bf16 code the C kernel was built with on this CPU: "avx512-bf16" (the VDPBF16PS
+    path of CPUs with AVX512-BF16) or "generic"; None when the kernel is not available."""
     lib = library.get()
     if lib is None:
         return None
