@@ -1,7 +1,7 @@
 """The model's elementwise ops, chosen once when the runner builds the model: plain torch
 (token-exact with transformers), the one-pass C kernels of `qworker_kernels.cpu_fused_ops` (CPU
-tensors, the torch attention backend: the same roundings as the torch ops but for the last bit of
-the RMSNorm's variance and of SiLU's exp), or the fused Triton kernels (with the Triton attention
+tensors, the torch attention backend: the same roundings as the torch ops, the RMSNorm bit for
+bit, but for the last bit of SiLU's exp), or the fused Triton kernels (with the Triton attention
 backend, i.e. on CUDA, or on CPU under TRITON_INTERPRET=1 for tests).
 
 The model calls `ops.<name>(...)` and never branches on the device per call.
