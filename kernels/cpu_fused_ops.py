@@ -16,7 +16,15 @@ import ctypes
 import torch
 from qworker_kernels.cpu_build import CKernelLibrary
 
-__all__ = ["argmax_rows", "fused_add_rms_norm", "is_available", "rms_norm", "rotary", "silu_and_mul"]
+__all__ = [
+    "argmax_rows",
+    "built_with_avx512",
+    "fused_add_rms_norm",
+    "is_available",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -27,6 +35,7 @@ _LIBRARY = CKernelLibrary(
         "qw_rotary": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I, _I],
         "qw_silu_and_mul": [_P, _I64, _P, _I64, _I64, _I, _I],
         "qw_argmax_rows": [_P, _I64, _I64, _I64, _I, _P, _I],
+        "qw_fused_ops_avx512": [],
     },
     errors={1: (ValueError, "a position is outside the rotary tables")},
     # No FMA contraction: a * b - c * d must round as torch rounds it.
@@ -37,6 +46,12 @@ _LIBRARY = CKernelLibrary(
 def is_available() -> bool:
     """True when the C kernels are built (or can be built now) and loaded."""
     return _LIBRARY.is_available()
+
+
+def built_with_avx512() -> bool:
+    """True when the library was built for a CPU with AVX-512 (one register per 16-lane vector).
+    Elsewhere `argmax_rows` is slower than torch.argmax (see qw_fused_ops_avx512)."""
+    return bool(_lib().qw_fused_ops_avx512())
 
 
 def _lib() -> ctypes.CDLL:

@@ -97,13 +97,16 @@ class Sampler:
 
 @functools.cache
 def _cpu_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The C argmax of qworker_kernels.cpu_fused_ops; None where it cannot be built, or the CPU
-    kernels are off (QWORKER_DISABLE_CPU_KERNEL)."""
+    """The C argmax of qworker_kernels.cpu_fused_ops; None where it cannot be built, where it was
+    built without AVX-512 (there torch's argmax is faster), or the CPU kernels are off
+    (QWORKER_DISABLE_CPU_KERNEL)."""
     if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
         return None
     from qworker_kernels import cpu_fused_ops
 
-    return cpu_fused_ops.argmax_rows if cpu_fused_ops.is_available() else None
+    if not cpu_fused_ops.is_available() or not cpu_fused_ops.built_with_avx512():
+        return None
+    return cpu_fused_ops.argmax_rows
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
