@@ -61,6 +61,16 @@ class PagedBatch:
         return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.scale)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none): the kernel tests
+    pick the code paths and build targets a machine can run by them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def make_paged_batch(
     seqs: Sequence[tuple[int, int]],
     *,

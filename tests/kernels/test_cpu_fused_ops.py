@@ -10,6 +10,7 @@ import torch
 from qworker_kernels import cpu_fused_ops
 from qworker_kernels.cpu_build import CKernelLibrary
 from qworker_kernels.rmsnorm_reference import fused_add_rms_norm_reference, rms_norm_reference
+from qworker_kernels.testing import cpu_flags
 
 from qworker.model.ops import apply_rotary_torch, silu_and_mul_torch
 
@@ -169,18 +170,13 @@ def test_argmax_rows_of_strided_rows_and_bad_inputs():
         cpu_fused_ops.argmax_rows(torch.randn(8, dtype=torch.float16))
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-
-
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
 def test_the_sampler_takes_the_c_argmax_only_from_an_avx512_build():
     # Built without AVX-512 the argmax loop spills its split vectors and is slower than torch's, so
     # the sampler keeps torch.argmax there; an x86-64-v3 (AVX2) build of the same source says so.
     from qworker.engine import sampler
 
-    assert cpu_fused_ops.built_with_avx512() == ("avx512f" in _cpu_flags())
+    assert cpu_fused_ops.built_with_avx512() == ("avx512f" in cpu_flags())
     assert (sampler._cpu_argmax() is not None) == cpu_fused_ops.built_with_avx512()
     avx2 = CKernelLibrary("cpu_fused_ops.c", {"qw_fused_ops_avx512": []}, {}, ("-march=x86-64-v3",))
     if avx2.get() is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import qworker_kernels.cpu_paged_attention as cpa
 import torch
+from qworker_kernels.testing import cpu_flags
 
 needs_kernel = pytest.mark.skipif(not cpa.is_available(), reason="no C compiler: C kernel not built")
 
@@ -207,17 +208,6 @@ def test_large_scores_stay_finite() -> None:
 GENERIC_BUILD = cpa.kernel_build(extra_flags=("-DQW_DECODE_GENERIC",))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """The spacing of bf16 values at |x| (8 significant bits), for x in fp32."""
     exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
@@ -236,7 +226,7 @@ def test_bf16_variant_follows_the_cpu() -> None:
     # The AVX512-BF16 path is built on the CPUs with AVX512-BF16 (the AMX Xeons and the AVX512-BF16
     # EPYC, where it was measured); AVX2 machines keep the generic code. The tests of this module
     # then run whichever path this machine ships.
-    fast = {"avx512_bf16", "avx512bw"} <= _cpu_flags()
+    fast = {"avx512_bf16", "avx512bw"} <= cpu_flags()
     assert cpa.bf16_variant() == ("avx512-bf16" if fast else "generic")
     assert cpa.bf16_variant(GENERIC_BUILD) == "generic"
 
@@ -297,7 +287,7 @@ OTHER_TARGETS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_other_targets_take_their_bf16_code(target: str, dtype: torch.dtype) -> None:
     march, needs, variant = OTHER_TARGETS[target]
-    if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
         pytest.skip(f"this CPU cannot run a -march={march} build")
     build = cpa.kernel_build(extra_flags=(f"-march={march}",))
     if build.get() is None:

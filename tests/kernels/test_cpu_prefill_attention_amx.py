@@ -8,21 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from qworker_kernels import cpu_prefill_attention as kernel
-from qworker_kernels.testing import make_paged_batch
-
-
-def _cpu_has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        return False
-
+from qworker_kernels.testing import cpu_flags, make_paged_batch
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(not kernel.is_available(), reason="no C compiler to build the CPU kernels"),
-    pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="the CPU has no amx_bf16: the AMX path is not built"),
+    pytest.mark.skipif(
+        "amx_bf16" not in cpu_flags(), reason="the CPU has no amx_bf16: the AMX path is not built"
+    ),
 ]
 
 TOLERANCE = 2e-2  # as the kernel's other bf16 tests: bf16 inputs, probabilities rounded to bf16
