@@ -136,7 +136,8 @@ typedef struct {
 static inline void square_sum_init(SquareSum *q, int64_t num_blocks) {
     for (int l = 0; l < 4; l++) q->a[l] = q->b[l] = splat16(0.0f);
     q->blocks = 0;
-    q->level_power = ceil_log2(num_blocks) / 4 > 4 ? ceil_log2(num_blocks) / 4 : 4;
+    const int power = ceil_log2(num_blocks) / 4;  // torch: max(4, CeilLog2(size) / num_levels)
+    q->level_power = power > 4 ? power : 4;
     q->level_mask = ((int64_t)1 << q->level_power) - 1;
 }
 
