@@ -30,6 +30,7 @@ from qworker.worker.finish import Finisher
 from qworker.worker.health import HealthState
 from qworker.worker.held import HeldJob, HeldJobs, leases_of
 from qworker.worker.jobs import JobError, JobStatus
+from qworker.worker.lease_keeper import StepLeaseKeeper
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox
 from qworker.worker.retry import BrokerOutage, BrokerOutageError
@@ -116,6 +117,7 @@ class Worker:
                 "stats": self.settings.stats_interval_s,
             }
         )
+        self._lease_keeper = StepLeaseKeeper(source, lambda: leases_of(self.held), extend_every)
 
     @property
     def sink(self) -> ResultSink:
@@ -162,6 +164,7 @@ class Worker:
             )
         # The model is loaded (the engine exists) and the source connected when it was opened.
         self.health.set_ready(True)
+        self._lease_keeper.start()
         try:
             while True:
                 self.health.tick()
@@ -187,6 +190,8 @@ class Worker:
         except BrokerOutageError as exc:
             self._give_up(str(exc))
             raise
+        finally:
+            self._lease_keeper.stop()
         self._write_stats(self.admission_stats())
         logger.info("worker %s stopped: %s", self.name, self.stats)
         return self.stats
@@ -233,11 +238,15 @@ class Worker:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        self._lease_keeper.step_started()
         try:
             step_outputs = self.engine.step()
         except Exception as exc:
+            self._drop_lost(self._lease_keeper.step_ended())
             self._on_step_failure(exc)
             return
+        # Before the outputs: a job a peer took over during the step is not finished here.
+        self._drop_lost(self._lease_keeper.step_ended())
         self._num_step_failures = 0
         self.stats.num_steps += 1
         self.metrics.observe_step()
@@ -322,15 +331,21 @@ class Worker:
             lost_leases = self.broker.fetch("extending leases", lambda: self.source.extend(leases))
             if lost_leases is None:
                 return
-            lost = {le.message_id for le in lost_leases}
-            for held in [h for h in self.held if h.lease.message_id in lost]:
-                # A peer owns the message now and will run it; running it too would only waste work.
-                logger.warning("job %s: lease lost to a peer; dropping it here", held.job.id)
-                self.held.drop(held.job.id)
-                self.stats.num_leases_lost += 1
-                self.metrics.observe_lease_lost()
+            self._lease_keeper.mark_extended()
+            self._drop_lost(lost_leases)
         if self._timers.due("stats"):
             self._write_stats(self.admission_stats())
+
+    def _drop_lost(self, lost_leases: list[Lease]) -> None:
+        if not lost_leases:
+            return
+        lost = {le.message_id for le in lost_leases}
+        for held in [h for h in self.held if h.lease.message_id in lost]:
+            # A peer owns the message now and will run it; running it too would only waste work.
+            logger.warning("job %s: lease lost to a peer; dropping it here", held.job.id)
+            self.held.drop(held.job.id)
+            self.stats.num_leases_lost += 1
+            self.metrics.observe_lease_lost()
 
     def _write_stats(self, admission: AdmissionStats) -> None:
         logger.debug(
