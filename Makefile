@@ -21,8 +21,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m qworker demo
 
+# Two processes, whole files to each (a module's worker, cluster or model is started once).
+TEST_PROCESSES ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check qworker kernels tests scripts

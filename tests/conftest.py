@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from qworker.testing import tiny_llama_model
+
+# `make test` runs the suite in two pytest-xdist processes, one per core: each computes on one
+# thread, as two torch pools of two threads each would oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
