@@ -33,9 +33,15 @@
 #include "cpu_amx.h"
 #include "cpu_simd.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+
+// AVX2 + FMA without AVX-512 (16 ymm registers): a tile is computed one 16-column block at a time,
+// its rows QW_AVX2_ROWS at a time (2 accumulators a row, the block's weights for one k held once
+// for them). A lane's chain is the same as in the other paths (below), so these are row groups
+// of registers only.
+#define QW_AVX2_ROWS 4
 
 #define QW_NB 16      // columns per packed block (one AVX-512 register of fp32)
 #define QW_MR 8       // rows per register tile (16 accumulators + 2 weights + 1 broadcast of 32 zmm)
@@ -130,6 +136,40 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
     }
     for (int r = 0; r < QW_MR; r++)
         for (int c = 0; c < QW_NR_BLK; c++) _mm512_store_ps(acc[r][c], va[r][c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    // The portable path's arithmetic, vectorized: a bf16 x bf16 product is exact in fp32, so each
+    // FMA rounds once, as the portable a * b + c does (its product exact, its sum rounded), and
+    // the bits are the portable path's. A packed pair (even k, odd k) is one 32-bit lane: even =
+    // lane << 16, odd = lane & 0xffff0000 are the two fp32 values.
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int c = 0; c < nblk; c++) {
+        const uint16_t *b = packed + (blk + c) * k2 * QW_NB * 2;
+        for (int g = 0; g < mr; g += QW_AVX2_ROWS) {
+            __m256 lo[QW_AVX2_ROWS], hi[QW_AVX2_ROWS];
+            for (int r = 0; r < QW_AVX2_ROWS; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+            for (int64_t p = 0; p < k2; p++) {
+                const __m256i w_lo = _mm256_loadu_si256((const __m256i *)(b + p * QW_NB * 2));
+                const __m256i w_hi = _mm256_loadu_si256((const __m256i *)(b + p * QW_NB * 2 + QW_NB));
+                const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(w_lo, 16));
+                const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(w_lo, high));
+                const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(w_hi, 16));
+                const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(w_hi, high));
+                for (int r = 0; r < QW_AVX2_ROWS; r++) {
+                    if (g + r >= mr) break;
+                    const uint16_t *xr = x + (g + r) * ldx;
+                    const __m256 a0 = _mm256_set1_ps(bf16_to_f32(xr[2 * p]));
+                    const __m256 a1 = _mm256_set1_ps(p < full_pairs ? bf16_to_f32(xr[2 * p + 1]) : 0.0f);
+                    lo[r] = _mm256_fmadd_ps(a1, odd_lo, _mm256_fmadd_ps(a0, even_lo, lo[r]));
+                    hi[r] = _mm256_fmadd_ps(a1, odd_hi, _mm256_fmadd_ps(a0, even_hi, hi[r]));
+                }
+            }
+            for (int r = 0; r < QW_AVX2_ROWS; r++) {
+                if (g + r >= mr) break;
+                _mm256_store_ps(acc[g + r][c], lo[r]);
+                _mm256_store_ps(acc[g + r][c] + 8, hi[r]);
+            }
+        }
+    }
 #else
     // Portable path: the same lane order (pair by pair, even element then odd), in fp32 FMA-free
     // arithmetic (the file is built with -ffp-contract=off).
@@ -343,6 +383,30 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
     }
     for (int r = 0; r < QW_MR; r++)
         for (int c = 0; c < QW_NR_BLK; c++) _mm512_store_ps(acc[r][c], va[r][c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    // One FMA per k, as the AVX-512 path: the same bits.
+    for (int c = 0; c < nblk; c++) {
+        const float *b = c == 0 ? b0 : b1;
+        for (int g = 0; g < mr; g += QW_AVX2_ROWS) {
+            __m256 lo[QW_AVX2_ROWS], hi[QW_AVX2_ROWS];
+            for (int r = 0; r < QW_AVX2_ROWS; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+            for (int64_t kk = 0; kk < k; kk++) {
+                const __m256 w_lo = _mm256_loadu_ps(b + kk * QW_NB);
+                const __m256 w_hi = _mm256_loadu_ps(b + kk * QW_NB + 8);
+                for (int r = 0; r < QW_AVX2_ROWS; r++) {
+                    if (g + r >= mr) break;
+                    const __m256 a = _mm256_broadcast_ss(x + (g + r) * ldx + kk);
+                    lo[r] = _mm256_fmadd_ps(a, w_lo, lo[r]);
+                    hi[r] = _mm256_fmadd_ps(a, w_hi, hi[r]);
+                }
+            }
+            for (int r = 0; r < QW_AVX2_ROWS; r++) {
+                if (g + r >= mr) break;
+                _mm256_store_ps(acc[g + r][c], lo[r]);
+                _mm256_store_ps(acc[g + r][c] + 8, hi[r]);
+            }
+        }
+    }
 #else
     memset(acc, 0, sizeof acc);
     for (int64_t r = 0; r < mr; r++) {
