@@ -3,11 +3,14 @@ token's attention output does not depend on the chunk or batch it is computed in
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
 import torch
 from qworker_kernels import cpu_invariant_attention, cpu_invariant_gemm
+from qworker_kernels.cpu_build import CKernelLibrary
+from qworker_kernels.testing import cpu_flags
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -200,3 +203,32 @@ def test_token_positions() -> None:
     seq, pos = cpu_invariant_attention.token_positions(seq_lens, query_start_loc)
     assert seq.tolist() == [0, 1, 1, 1, 2, 2, 2]
     assert pos.tolist() == [4, 6, 7, 8, 0, 1, 2]
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma"} <= cpu_flags() or "avx512f" in cpu_flags(),
+    reason="the AVX2 path runs on AVX2-only CPUs",
+)
+def test_the_avx2_path_gives_the_portable_paths_bf16_bits():
+    """bf16 products are exact in fp32, so the AVX2 path's FMAs round as the portable path's
+    multiply-then-add: the same bits as a build of the same source without AVX2 and FMA."""
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    gemm_args = [p, i64, p, p, p, i64, i64, i64, i64, i, i, i]
+    portable = CKernelLibrary(
+        "cpu_invariant_gemm.c", {"qw_inv_gemm": gemm_args}, {}, ("-ffp-contract=off", "-mno-avx2", "-mno-fma")
+    )
+    lib = portable.get()
+    if lib is None:
+        pytest.skip("the compiler cannot build without AVX2")
+    gemm = lib.qw_inv_gemm
+    torch.manual_seed(0)
+    for n, k in ((96, 576), (40, 37)):  # 37: an odd K, the last pair's second element zero
+        weight, bias = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n)
+        x = torch.randn(13, k, dtype=torch.bfloat16)
+        packed = _pack(weight, amx=False)
+        out = torch.empty(13, n, dtype=torch.bfloat16)
+        status = gemm(
+            x.data_ptr(), k, packed.data.data_ptr(), bias.data_ptr(), out.data_ptr(), n, 13, n, k, 1, 0, 1
+        )
+        assert status == 0
+        assert torch.equal(cpu_invariant_gemm.linear(x, packed, bias), out)
