@@ -16,7 +16,7 @@ _EXPORTS = {
     "EngineConfig": "qworker.config",
     "RequestOutput": "qworker.engine.outputs",
     "CompletionOutput": "qworker.engine.outputs",
-    "Client": "qworker.worker.client",
+    "Client": "qworker.jobs.client",
 }
 
 __all__ = [  # noqa: RUF022
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from qworker.engine.llm_engine import LLMEngine
     from qworker.engine.outputs import CompletionOutput, RequestOutput
     from qworker.engine.sampling_params import SamplingParams
-    from qworker.worker.client import Client
+    from qworker.jobs.client import Client
 
 
 def __getattr__(name: str) -> Any:

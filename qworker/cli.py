@@ -17,16 +17,18 @@ import typer
 
 from qworker.batch.command import batch
 from qworker.bench.command import bench
+from qworker.cli_errors import (
+    connecting,
+    reported_errors,
+)
 from qworker.cli_options import config_options, engine_options, worker_options
 from qworker.config import EngineConfig
-from qworker.errors import ConnectError, EngineFailedError, InvalidRequestError, QworkerError
-from qworker.worker.demand import PoolSizing
-from qworker.worker.exporter import DEFAULT_EXPORTER_PORT, DEFAULT_INTERVAL_S
-from qworker.worker.retry import BrokerOutageError
+from qworker.pool.demand import PoolSizing
+from qworker.pool.exporter import DEFAULT_EXPORTER_PORT, DEFAULT_INTERVAL_S
 from qworker.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
-    from qworker.worker.backends.dead_letters import DeadLetterQueue
+    from qworker.backends.dead_letters import DeadLetterQueue
 
 # Plain click help, not typer's rich panels: rich crops option names to fit its table
 # ("--max-num-batched-to…") on narrow terminals and, off a terminal, at 80 columns. Click's
@@ -40,103 +42,6 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"max_content_width": HELP_WIDTH},
 )
-
-# Exit codes (docs/WORKER.md lists them). 0: done (burst) or drained (SIGTERM); 1: an unexpected
-# error, with its traceback; 2: click's usage error, also a bad URL or model.
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3  # a queue or result store that cannot be reached or logged in to
-EXIT_ENGINE_FAILED = 4  # engine steps failed max_step_failures times in a row
-EXIT_BROKER_OUTAGE = 5  # the queue or results store was unreachable longer than --broker-outage-s
-EXIT_WAIT_TIMEOUT = 6  # `submit`: no result (or no stream output) within --timeout
-
-AWS_CREDENTIAL_SOURCES = (
-    "boto3 looked in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), the shared files "
-    "(~/.aws/credentials, ~/.aws/config, AWS_PROFILE) and the container or instance role"
-)
-
-
-def connection_problem(exc: BaseException) -> str | None:
-    """What went wrong, in a line, when `exc` is a client library's failure to reach or log in to
-    a server (redis-py, botocore, kombu); None for anything else."""
-    try:
-        import redis
-
-        if isinstance(exc, redis.AuthenticationError):
-            return f"the server refused the credentials: {exc}"
-        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            return str(exc) or type(exc).__name__
-    except ImportError:
-        pass
-    try:
-        import botocore.exceptions as boto
-
-        if isinstance(exc, (boto.NoCredentialsError, boto.PartialCredentialsError)):
-            return f"no AWS credentials found: {AWS_CREDENTIAL_SOURCES}"
-        if isinstance(exc, (boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ProfileNotFound)):
-            return str(exc)
-        if isinstance(exc, boto.ClientError):
-            error = exc.response.get("Error", {})
-            return f"the service answered {error.get('Code', '?')}: {error.get('Message', exc)}"
-    except ImportError:
-        pass
-    try:
-        from kombu.exceptions import OperationalError
-
-        if isinstance(exc, OperationalError):
-            return str(exc)
-    except ImportError:
-        pass
-    return None
-
-
-@contextmanager
-def connecting(role: str, url: str | None) -> Iterator[None]:
-    """Opening the `role` store ("queue", "results") at `url`: a failure to reach it becomes a
-    ConnectError that names it (redacted) and says what was tried."""
-    from qworker.worker.connections import redact_url
-
-    try:
-        yield
-    except Exception as exc:
-        problem = connection_problem(exc)
-        if problem is None:
-            raise
-        raise ConnectError(f"cannot connect to the {role} at {redact_url(url)}: {problem}") from exc
-
-
-@contextmanager
-def reported_errors() -> Iterator[None]:
-    """Errors a user can fix (a bad URL or model, an unreachable store, a broken engine) end the
-    command with one line on stderr and their exit code; the traceback is logged at DEBUG.
-    Anything else propagates with its traceback (exit 1)."""
-    from pydantic import ValidationError
-
-    try:
-        yield
-    except Exception as exc:
-        if isinstance(exc, ValidationError):
-            from qworker.worker.jobs import format_validation_error
-
-            exc, code = InvalidRequestError(f"invalid job: {format_validation_error(exc)}"), EXIT_USAGE
-        elif isinstance(exc, TimeoutError):
-            code = EXIT_WAIT_TIMEOUT
-        elif isinstance(exc, EngineFailedError):
-            code = EXIT_ENGINE_FAILED
-        elif isinstance(exc, BrokerOutageError):
-            code = EXIT_BROKER_OUTAGE
-        elif isinstance(exc, ConnectError):
-            code = EXIT_UNREACHABLE
-        elif isinstance(exc, QworkerError):
-            code = EXIT_USAGE
-        else:
-            problem = connection_problem(exc)
-            if problem is None:
-                raise
-            exc, code = ConnectError(f"lost the connection: {problem}"), EXIT_UNREACHABLE
-        logging.getLogger("qworker.cli").debug("the error in full", exc_info=True)
-        typer.echo(f"qworker: error: {exc}", err=True)
-        raise typer.Exit(code) from None
-
 
 # URLs may carry passwords: from the environment or a file they stay out of the process list.
 QUEUE_URL_ENV = "QWORKER_QUEUE_URL"
@@ -240,14 +145,14 @@ def worker(
 def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: WorkerRun) -> None:
     """Everything `qworker worker` does once its options are parsed: connect, load the model, serve."""
     logging.basicConfig(level=run.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from qworker.worker.connections import (
+    from qworker.backends.connections import (
         default_results_url,
         open_sink,
         open_source,
         redact_url,
         resolve_url,
     )
-    from qworker.worker.health import HealthServer, HealthState
+    from qworker.health import HealthServer, HealthState
     from qworker.worker.loop import Worker
     from qworker.worker.metrics import WorkerMetrics
     from qworker.worker.settings import quiet_payload_loggers
@@ -332,7 +237,7 @@ def submit(
     """Submit one job; print its id, then (by default) its text. Exit codes: 0 completed, 1 the
     job ended otherwise (failed, timeout, cancelled), 2 an invalid job or URL, 3 a store out of
     reach, 6 no result within --timeout."""
-    from qworker.worker.client import Client
+    from qworker.jobs.client import Client
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     job: dict = {"params": {"max_tokens": max_tokens, "temperature": temperature}}
@@ -372,7 +277,7 @@ def demo(
     ] = "smollm2",
 ) -> None:
     """Embedded Redis + a worker on SmolLM2: submit chat jobs, stream one, print a table."""
-    from qworker.worker.demo import run_demo
+    from qworker.demo import run_demo
 
     run_demo(num_jobs=num_jobs, model=model)
 
@@ -402,7 +307,7 @@ def metrics_exporter(
     """Serve a pool's KV demand (qworker_pool_demand_blocks, ..._desired_workers) for KEDA until
     SIGTERM. Reads the queue and the workers' stats; takes nothing from the queue."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from qworker.worker.exporter import run_metrics_exporter
+    from qworker.pool.exporter import run_metrics_exporter
 
     queue_url = url_from(queue, queue_url_file, "--queue")
     if queue_url is None:
@@ -447,7 +352,7 @@ DlqResultsOpt = Annotated[
 
 @contextmanager
 def dead_letters(queue: str | None) -> Iterator[DeadLetterQueue]:
-    from qworker.worker.connections import open_dead_letters
+    from qworker.backends.connections import open_dead_letters
 
     with reported_errors(), connecting("queue", queue):
         dlq = open_dead_letters(queue)
@@ -511,7 +416,7 @@ def dlq_replay(
 ) -> None:
     """Put dead letters back on the queue as new messages (attempts start again) and remove the
     failed results that would make the worker skip them."""
-    from qworker.worker.connections import default_results_url, open_sink, resolve_url
+    from qworker.backends.connections import default_results_url, open_sink, resolve_url
 
     if bool(dead_letter_ids) == all_letters:
         raise typer.BadParameter("give dead-letter ids or --all")

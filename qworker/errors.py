@@ -69,3 +69,8 @@ class StreamRestartedError(QworkerError):
 class ConnectError(QworkerError):
     """A queue or result store that cannot be reached, or that refuses the credentials given (or
     found none). The message names the store by its redacted URL and says what was tried."""
+
+
+class ModelDownloadError(QworkerError):
+    """A remote model that cannot be used as it is stored: an object whose size or checksum does
+    not match what the store reports, a truncated checkpoint, no config.json under the prefix."""

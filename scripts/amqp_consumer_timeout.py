@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qworker.worker.backends.source import OutgoingJob
-from qworker.worker.connections import open_producer, open_source
+from qworker.backends.connections import open_producer, open_source
+from qworker.backends.source import OutgoingJob
 from tests.integration.celery_rabbitmq_support import amqp_url, new_queue
 from tests.integration.rabbitmq_node import RabbitNode
 

@@ -24,13 +24,13 @@ from typing import Any
 
 from qworker import LLM, SamplingParams
 from qworker.batch.command import BatchRun, run_batch
-from qworker.batch.progress import ProgressMode
 from qworker.bench.queue_client import QueueClientSystem
 from qworker.bench.qworker_engine import sampling_params_for
 from qworker.bench.run_loop import WARMUP_OUTPUT_LEN, WARMUP_PROMPT, warm_up
 from qworker.bench.workload import BenchRequest, load_workload, requests_for_model
 from qworker.cli_options import config_to_args
 from qworker.config import EngineConfig
+from qworker.openai.batches.progress import ProgressMode
 
 MODEL_NAME = "bench"
 

@@ -33,8 +33,8 @@ import httpx
 import openai
 import redis
 
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url, write_tiny_model_dir
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url, write_tiny_model_dir
 
 API_KEY = "sk-bench-gateway-batch"
 MODEL_NAME = "bench"

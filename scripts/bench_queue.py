@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.bench.metrics import summarize
 from qworker.bench.queue_client import QueueClientSystem
 from qworker.bench.qworker_engine import QworkerEngineSystem
@@ -32,10 +33,9 @@ from qworker.bench.run_loop import run_system, warm_up
 from qworker.bench.workload import BenchRequest, load_workload, requests_for_model
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.connections import open_sink, open_source
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 from qworker.worker.loop import Worker, run_beside
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
 DOCS_START = "<!-- bench_queue:start -->"
 DOCS_END = "<!-- bench_queue:end -->"

@@ -3,7 +3,7 @@
     python scripts/bench_queue_brokers.py [--jobs 300] [--rounds 3] [--max-tokens 4]
         [--amqp amqp://guest:guest@127.0.0.1:5672/] [--redis redis://127.0.0.1:6379/0]
 
-One engine (the tiny random Llama of qworker.testing, so that the broker, not the model, is most
+One engine (the tiny random Llama of qworker.testing.tiny_model, so that the broker, not the model, is most
 of the cost) and one in-process worker on the main thread (run_beside); beside it a client sends
 every job through qworker's own producer of that queue and waits for each result in order. The
 clock runs from the first send to the last result. Results: Redis Streams in the same Redis;
@@ -23,14 +23,14 @@ import time
 import uuid
 from pathlib import Path
 
+from qworker.backends.connections import open_producer, open_sink, open_source
+from qworker.backends.source import OutgoingJob
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.backends.source import OutgoingJob
-from qworker.worker.connections import open_producer, open_sink, open_source
+from qworker.testing.worker_kit import unique_url, write_tiny_model_dir
 from qworker.worker.loop import Worker
 from qworker.worker.run_beside import run_beside
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import unique_url, write_tiny_model_dir
 
 
 def one_round(

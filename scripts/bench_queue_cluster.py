@@ -2,7 +2,7 @@
 mode (a worker on the main thread, the bench's run loop submitting every job and reading every
 result beside it) on the same engine and requests, in interleaved rounds (single, cluster,
 single, cluster, ...), because the machine is shared. The cluster is a private 3-primary one on
-loopback ports (qworker/worker/redis_topologies.py); the single server is a private redis-server
+loopback ports (qworker/backends/redis/topologies.py); the single server is a private redis-server
 too, so that both run with the same settings (no persistence).
 
     python scripts/bench_queue_cluster.py [--workload offline-mixed] [--num-requests 32] [--rounds 3]
@@ -33,14 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_queue import run_queue
 
+from qworker.backends.redis.server import RedisServer
+from qworker.backends.redis.topologies import LocalCluster
 from qworker.bench.qworker_engine import QworkerEngineSystem
 from qworker.bench.run_loop import warm_up
 from qworker.bench.workload import BenchRequest, load_workload, requests_for_model
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.fake_engine import FakeEngine
-from qworker.worker.redis_server import RedisServer
-from qworker.worker.redis_topologies import LocalCluster
+from qworker.testing.fake_engine import FakeEngine
 
 
 def main() -> None:

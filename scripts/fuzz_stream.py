@@ -26,8 +26,8 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, unique_url, write_tiny_model_dir
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url, write_tiny_model_dir
 from tests.integration.stream_fuzz import check_outcomes, generate, run_burst_worker, write_entries
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from qworker.batch.rows import request_id_for
-from qworker.worker.client import Client
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.jobs.client import Client
+from qworker.openai.rows import request_id_for
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 
 
 def free_port() -> int:

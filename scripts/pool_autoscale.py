@@ -38,8 +38,8 @@ import redis as redis_lib
 # The emulator is test support, not part of the installed package: import it from this checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, unique_url, write_tiny_model_dir
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url, write_tiny_model_dir
 from tests.pool_emulator.scenario import (
     bursty_config,
     plot_timeline,

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from qworker.testing import tiny_llama_model
+from qworker.testing.tiny_model import tiny_llama_model
 
 # `make test` runs the suite in two pytest-xdist processes, one per core: each computes on one
 # thread, as two torch pools of two threads each would oversubscribe the cores.
@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
-    """qworker.testing's tiny random model, widened, in fp32, for fast engine tests."""
+    """qworker.testing.tiny_model's tiny random model, widened, in fp32, for fast engine tests."""
     # Random init gives near-uniform logits; widened, greedy picks are not near-ties.
     return tiny_llama_model(model_type, seed=seed, widen=3.0, **overrides)
 

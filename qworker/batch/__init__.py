@@ -1,6 +1,7 @@
-"""`qworker batch`: OpenAI batch files (`vllm run-batch`'s format) run locally or across the pool.
+"""`qworker batch`: run an OpenAI batch file (`vllm run-batch`'s format) locally or across the pool.
 
-format.py (the line and body models), rows.py (a row as a request), bodies.py (responses),
-files.py (local and S3 locations), validate.py (the whole-file check), output.py (the resumable
-output), local.py and pool.py (the two ways to run), progress.py, command.py (the command).
+command.py (the command), local.py (rows on an engine in this process), invariance.py (a local run
+is batch-invariant). The file format, row parsing, bodies and the pool runner are the OpenAI
+protocol's (`qworker.openai`), which the gateway shares; this package imports it and the engine,
+never the gateway.
 """

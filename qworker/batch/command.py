@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from qworker.batch.output import BatchOutput, OutputFile, state_path
-from qworker.batch.progress import BatchSummary, Progress, ProgressMode
-from qworker.batch.rows import RowFailure, RowRequest, prepare_rows
 from qworker.cli_options import engine_options
 from qworker.config import EngineConfig
+from qworker.openai.batches.output import BatchOutput, OutputFile, state_path
+from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
+from qworker.openai.rows import RowFailure, RowRequest, prepare_rows
 
 if TYPE_CHECKING:
     from qworker.engine.llm_engine import LLMEngine
@@ -60,19 +60,19 @@ def run_batch(run: BatchRun, engine_config: EngineConfig, engine: LLMEngine | No
 
     Raises BatchFileError (the input), OutputFileError (an output it cannot resume from) or
     BatchLocationError before anything is written or enqueued."""
-    from qworker.batch.files import cache_dir, iter_rows, parse_location
-    from qworker.batch.validate import check_input
+    from qworker.openai.batches.files import cache_dir, iter_rows, parse_location
+    from qworker.openai.batches.validate import check_input
 
     input_location = parse_location(run.input)
     output_location = parse_location(run.output)
     errors_location = parse_location(run.errors) if run.errors else None
     named = [str(input_location), str(output_location)] + ([str(errors_location)] if errors_location else [])
     if len(set(named)) != len(named):
-        from qworker.batch.files import BatchLocationError
+        from qworker.openai.batches.files import BatchLocationError
 
         raise BatchLocationError(f"input, output and errors must be three different files: {named}")
     if run.queue is not None and run.results is None:
-        from qworker.worker.connections import default_results_url
+        from qworker.backends.connections import default_results_url
 
         # An sqs:// queue needs --results: say so before anything is written.
         default_results_url(run.queue)
@@ -154,9 +154,9 @@ def _run_pool(
     journal_path: Path,
 ) -> None:
     from qworker.batch.invariance import warn_unless_pool_is_invariant
-    from qworker.batch.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
-    from qworker.batch.submitted import open_submitted
-    from qworker.worker.client import Client
+    from qworker.jobs.client import Client
+    from qworker.openai.batches.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
+    from qworker.openai.batches.submitted import open_submitted
 
     assert run.queue is not None, "pool mode needs a queue"
     with Client(queue=run.queue, results=run.results) as client:
@@ -182,7 +182,7 @@ def _run_pool(
 
 
 def _redacted(url: str) -> str:
-    from qworker.worker.connections import redact_url
+    from qworker.backends.connections import redact_url
 
     return redact_url(url)
 
@@ -251,10 +251,10 @@ def batch(
     """Run an OpenAI batch file (`/v1/chat/completions` and `/v1/completions` rows) and write one
     output line per row. A rerun of the same command resumes: rows already in the output are
     skipped. Exit code 2: the input is not a batch file (nothing was run)."""
-    from qworker.batch.files import BatchLocationError
-    from qworker.batch.output import OutputFileError
-    from qworker.batch.validate import BatchFileError
-    from qworker.worker.connections import InvalidURLError
+    from qworker.backends.connections import InvalidURLError
+    from qworker.openai.batches.files import BatchLocationError
+    from qworker.openai.batches.output import OutputFileError
+    from qworker.openai.batches.validate import BatchFileError
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run = BatchRun(

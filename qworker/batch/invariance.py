@@ -39,7 +39,7 @@ def workers_without_invariance(sink: Any) -> list[str] | None:
     prefix = getattr(sink, "prefix", None)
     if redis is None or prefix is None:
         return None
-    from qworker.worker.backends.redis import keys
+    from qworker.backends.redis import keys
 
     key_prefix = keys.worker_stats_prefix(prefix)
     names = []

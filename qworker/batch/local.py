@@ -13,12 +13,12 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from qworker.batch.bodies import Generation, response_body
-from qworker.batch.format import RowError, error_line, success_line
-from qworker.batch.output import BatchOutput
-from qworker.batch.progress import Progress
-from qworker.batch.rows import RowFailure, RowRequest
 from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.openai.batches.output import BatchOutput
+from qworker.openai.batches.progress import Progress
+from qworker.openai.bodies import Generation, response_body
+from qworker.openai.format import RowError, error_line, success_line
+from qworker.openai.rows import RowFailure, RowRequest
 
 if TYPE_CHECKING:
     from qworker.engine.llm_engine import LLMEngine

@@ -81,10 +81,10 @@ def _compute_limit(settings: BenchSettings, request_set: RequestSet) -> dict[str
     """The first request set's compute limit, measured now (see qworker.bench.compute_limit)."""
     from qworker.bench.compute_limit import config_shapes, measure_compute_limit
     from qworker.engine.runner import resolve_device, resolve_dtype
-    from qworker.model.config import ModelConfig
     from qworker.model.loader import load_hf_config, resolve_model
+    from qworker.model.registry import model_config_from_hf
 
-    config = ModelConfig.from_hf(load_hf_config(resolve_model(settings.model).path))
+    config = model_config_from_hf(load_hf_config(resolve_model(settings.model).path))
     engine = EngineConfig(model=settings.model, **settings.engine_overrides)
     shapes = config_shapes(config)
     requests = request_set.requests

@@ -107,7 +107,7 @@ def default_redis_url() -> str:
         redis.Redis.from_url(LOCAL_REDIS_URL, socket_connect_timeout=0.5).ping()
         return LOCAL_REDIS_URL
     except redis.RedisError:
-        from qworker.worker.connections import resolve_url
+        from qworker.backends.connections import resolve_url
 
         return resolve_url(None)
 
@@ -179,7 +179,7 @@ class QueueClientSystem(System):
         }
 
     def prepare(self) -> None:
-        from qworker.worker.client import Client
+        from qworker.jobs.client import Client
 
         clock = RunClock()
         if self.spawn_worker:
@@ -254,7 +254,7 @@ class QueueClientSystem(System):
 
     def _delete_run_keys(self) -> None:
         """Drop the stream, results and deltas this run created (its own names; nothing else)."""
-        from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
+        from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
 
         assert self.url is not None, "no URL to clean"
         parsed = parse_url(self.url, SOURCE_PARAMS | SINK_PARAMS)

@@ -33,8 +33,8 @@ from qworker.engine.structured.manager import MAX_FAST_FORWARD_TOKENS, Structure
 from qworker.engine.structured.state import GrammarState, consume, forced_tokens
 from qworker.engine.structured.tool_calls import template_messages
 from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError
-from qworker.model.config import ModelConfig
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from qworker.model.registry import model_config_from_hf
 from qworker.utils import cdiv
 
 __all__ = ["LLMEngine", "Prompt"]
@@ -73,7 +73,7 @@ class LLMEngine:
             tokenizer = load_tokenizer(resolved.path)
             state_dict = load_state_dict(resolved.path)
         self.tokenizer = tokenizer
-        self.model_config = ModelConfig.from_hf(hf_config)
+        self.model_config = model_config_from_hf(hf_config)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

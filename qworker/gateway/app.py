@@ -1,8 +1,8 @@
 """The gateway's ASGI app: create_app(settings, ...) mounts the routers, the error handlers and
 the middleware (outermost first: metrics, API keys, body limit), and opens the pool.
 
-More routes are more routers: pass `routers=[*DEFAULT_ROUTERS, files.router]` (issue 23's Files,
-Batches and jobs). Everything a router needs is on `app.state.gateway` (state.GatewayState).
+More routes are more routers: pass `routers=[*DEFAULT_ROUTERS, my_router]`. Everything a router
+needs is on `app.state.gateway` (state.GatewayState).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI
 
 from qworker import __version__
+from qworker.gateway.async_api.routes import batches, files, jobs
 from qworker.gateway.auth import ApiKeyMiddleware
 from qworker.gateway.backpressure import DemandGate
 from qworker.gateway.errors import install_error_handlers
 from qworker.gateway.limits import BodyLimitMiddleware
 from qworker.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from qworker.gateway.pool import Pool
-from qworker.gateway.routes import batches, chat, completions, files, health, jobs, models, tokenize
+from qworker.gateway.routes import chat, completions, health, models, tokenize
 from qworker.gateway.settings import GatewaySettings
 from qworker.gateway.state import GatewayState
 
@@ -32,7 +33,7 @@ DEFAULT_ROUTERS: tuple[APIRouter, ...] = (
     models.router,
     tokenize.router,
     health.router,
-    # issue 23
+    # the Files, Batches and async-jobs API (gateway/async_api/)
     files.router,
     batches.router,
     jobs.router,
@@ -46,9 +47,9 @@ def open_demand_gate(settings: GatewaySettings, queue_url: str | None) -> Demand
     backlog readers: Redis Streams, Celery on Redis, SQS)."""
     reader = None
     if settings.max_waiting_blocks is not None:
-        from qworker.worker.connections import resolve_url
-        from qworker.worker.demand import PoolSizing
-        from qworker.worker.exporter import open_pool_demand_reader
+        from qworker.backends.connections import resolve_url
+        from qworker.pool.demand import PoolSizing
+        from qworker.pool.exporter import open_pool_demand_reader
 
         reader = open_pool_demand_reader(resolve_url(queue_url), PoolSizing(block_size=settings.block_size))
     return DemandGate(
@@ -98,7 +99,7 @@ def create_app(
     )
     app.state.gateway = state
     # -- issue 23: Files, Batches and async jobs (their state, the batch driver, webhooks) --
-    from qworker.gateway.async_api import AsyncApi
+    from qworker.gateway.async_api.services import AsyncApi
 
     async_api = AsyncApi.open(settings, state.pool.client)
     app.state.async_api = async_api

@@ -4,7 +4,7 @@ The rule (docs/gateway.md): a generation request is refused with 429 and Retry-A
 
     waiting_blocks + this_request_blocks > max_waiting_blocks     (and something is waiting)
 
-where waiting_blocks is the KV demand of the jobs no worker holds yet (qworker.worker.demand:
+where waiting_blocks is the KV demand of the jobs no worker holds yet (qworker.pool.demand:
 ceil((prompt_tokens + max_tokens) / block_size) per job, read from the queue by the same backlog
 readers the autoscaling exporter uses), refreshed every `demand_interval_s`, plus the blocks this
 replica enqueued since that reading. A request arriving while nothing waits always passes, so one
@@ -30,7 +30,7 @@ class DemandGate:
     def __init__(
         self,
         *,
-        reader: Any | None,  # a qworker.worker.exporter.PoolDemandReader, or None: no KV bound
+        reader: Any | None,  # a qworker.pool.exporter.PoolDemandReader, or None: no KV bound
         max_waiting_blocks: int | None,
         interval_s: float,
         retry_after_s: int,

@@ -97,7 +97,7 @@ def gateway(
         keys = load_api_keys(api_key_file)
     except ApiKeyError as exc:
         raise typer.BadParameter(str(exc)) from None
-    from qworker.cli import connecting, reported_errors
+    from qworker.cli_errors import connecting, reported_errors
 
     # A Redis queue is connected to at once (the producer makes sure its group exists): a store
     # that does not answer is one error line and exit code 3, and the orchestrator restarts us.

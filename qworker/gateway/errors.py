@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qworker.batch.format import ErrorBody, ErrorInfo, RowError
+from qworker.openai.format import ErrorBody, ErrorInfo, RowError
 
 logger = logging.getLogger(__name__)
 

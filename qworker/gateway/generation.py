@@ -17,13 +17,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from qworker.batch.rows import Endpoint
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.mapping import prepare
 from qworker.gateway.pool import StreamEvent
 from qworker.gateway.responses import response_body
 from qworker.gateway.state import GatewayState, check_model, gateway_state
 from qworker.gateway.streaming import stream_events
+from qworker.openai.rows import Endpoint
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from qworker.batch.format import CHAT_URL, COMPLETIONS_URL, RowError
-from qworker.batch.pool import job_for
-from qworker.batch.rows import Endpoint, RowRequest, parse_row
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.settings import GatewaySettings
 from qworker.gateway.tokenizer import ChatTemplateError, GatewayTokenizer
-from qworker.worker.demand import MESSAGE_OVERHEAD_TOKENS, job_blocks
-from qworker.worker.jobs import MAX_JOB_BYTES, MAX_PRIORITY, MIN_PRIORITY, Job, encode_job
+from qworker.jobs.job import MAX_JOB_BYTES, MAX_PRIORITY, MIN_PRIORITY, Job, encode_job
+from qworker.openai.batches.pool import job_for
+from qworker.openai.format import CHAT_URL, COMPLETIONS_URL, RowError
+from qworker.openai.rows import Endpoint, RowRequest, parse_row
+from qworker.pool.demand import MESSAGE_OVERHEAD_TOKENS, job_blocks
 
 # Prompts in one completions body: each becomes a job.
 MAX_PROMPTS = 256

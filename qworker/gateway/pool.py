@@ -21,8 +21,8 @@ import anyio
 import anyio.to_thread
 
 from qworker.errors import StreamRestartedError
-from qworker.worker.client import Client
-from qworker.worker.jobs import Job, JobResult
+from qworker.jobs.client import Client
+from qworker.jobs.job import Job, JobResult
 
 T = TypeVar("T")
 

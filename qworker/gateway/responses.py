@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from qworker.batch.bodies import Generation
-from qworker.batch.bodies import response_body as row_response_body
-from qworker.batch.format import ChatCompletion, RowError, TextCompletion
-from qworker.batch.pool import error_of_result, generation_from_result
-from qworker.batch.rows import Endpoint
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.mapping import PreparedRequest
 from qworker.gateway.tokenizer import GatewayTokenizer
-from qworker.worker.jobs import JobResult, JobStatus
+from qworker.jobs.job import JobResult, JobStatus
+from qworker.openai.batches.pool import error_of_result, generation_from_result
+from qworker.openai.bodies import Generation
+from qworker.openai.bodies import response_body as row_response_body
+from qworker.openai.format import ChatCompletion, RowError, TextCompletion
+from qworker.openai.rows import Endpoint
 
 
 def decoder(tokenizer: GatewayTokenizer | None) -> Callable[[int], str] | None:

@@ -27,13 +27,13 @@ from typing import Any
 
 import anyio
 
-from qworker.batch.format import ChatChoice, TextChoice
-from qworker.batch.rows import Endpoint
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.mapping import PreparedRequest
 from qworker.gateway.pool import StreamEnd, StreamEvent, StreamFailed, StreamText
 from qworker.gateway.responses import job_body
 from qworker.gateway.tokenizer import GatewayTokenizer
+from qworker.openai.format import ChatChoice, TextChoice
+from qworker.openai.rows import Endpoint
 
 DONE = b"data: [DONE]\n\n"
 

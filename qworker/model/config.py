@@ -136,10 +136,3 @@ class ModelConfig:
         """False with longrope: a block's KV then depends on whether its sequence passed the
         original context (long factors), not on its tokens alone, so blocks cannot be shared."""
         return all(table.long_inv_freq is None for table in self.rope_tables)
-
-    @classmethod
-    def from_hf(cls, hf_config: object) -> ModelConfig:
-        """Read a Hugging Face config through its family's module (qworker.model.registry)."""
-        from qworker.model.registry import model_config_from_hf
-
-        return model_config_from_hf(hf_config)

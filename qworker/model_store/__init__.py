@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qworker.errors import QworkerError
+from qworker.errors import ModelDownloadError
+
+__all__ = ["ModelDownloadError", "fetch_model", "is_remote_model", "remote_model_name"]
 
 REMOTE_SCHEMES = ("s3://",)
-
-
-class ModelDownloadError(QworkerError):
-    """A remote model that cannot be used as it is stored: an object whose size or checksum does
-    not match what the store reports, a truncated checkpoint, no config.json under the prefix."""
 
 
 def is_remote_model(model: str) -> bool:

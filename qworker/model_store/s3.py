@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from qworker.errors import ConnectError, UnknownModelError
-from qworker.model_store import ModelDownloadError
+from qworker.errors import ConnectError, ModelDownloadError, UnknownModelError
 from qworker.model_store.verify import ETagHasher, check_safetensors_length, etag_part_count, is_md5_etag
 
 logger = logging.getLogger(__name__)

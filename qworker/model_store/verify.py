@@ -9,7 +9,7 @@ import re
 import struct
 from pathlib import Path
 
-from qworker.model_store import ModelDownloadError
+from qworker.errors import ModelDownloadError
 
 # An ETag of a single-part upload without SSE-KMS/SSE-C is the MD5 of the object; one of a
 # multipart upload is the MD5 of the parts' MD5 digests, then "-<number of parts>".

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from qworker.worker.health import HealthState
+from qworker.health import HealthState
 from qworker.worker.retry import BrokerOutage, is_transient
 
 T = TypeVar("T")

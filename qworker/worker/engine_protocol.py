@@ -2,7 +2,7 @@
 lookups, limits.
 
 `qworker.engine.llm_engine.LLMEngine` satisfies this structurally, and so does the scripted
-`qworker.worker.fake_engine.FakeEngine` that unit tests of the worker loop use. The types named
+`qworker.testing.fake_engine.FakeEngine` that unit tests of the worker loop use. The types named
 here are plain dataclasses: importing this module never imports torch.
 """
 
@@ -17,7 +17,7 @@ from qworker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from qworker.engine.llm_engine import LLMEngine
-    from qworker.worker.fake_engine import FakeEngine
+    from qworker.testing.fake_engine import FakeEngine
 
 
 class DeviceLike(Protocol):

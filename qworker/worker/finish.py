@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from qworker.backends.sink import ResultSink
+from qworker.backends.source import JobSource, Lease
 from qworker.engine.outputs import RequestOutput
-from qworker.worker.backends.sink import ResultSink
-from qworker.worker.backends.source import JobSource, Lease
+from qworker.jobs.job import Job, JobError, JobResult, JobStatus
 from qworker.worker.broker_calls import BrokerCalls
 from qworker.worker.held import DroppedJob, HeldJob, leases_of
-from qworker.worker.jobs import Job, JobError, JobResult, JobStatus
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox, PendingFinal
 from qworker.worker.results import build_result

@@ -13,11 +13,11 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from qworker.backends.source import Lease
 from qworker.engine.outputs import RequestOutput
+from qworker.jobs.job import Job
 from qworker.worker.admission import HeldJobSize
-from qworker.worker.backends.source import Lease
 from qworker.worker.engine_protocol import EngineProtocol
-from qworker.worker.jobs import Job
 
 logger = logging.getLogger(__name__)
 

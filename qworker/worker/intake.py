@@ -25,10 +25,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from qworker.backends.source import Lease
 from qworker.errors import InvalidRequestError, PromptTooLongError
-from qworker.worker.backends.source import Lease
+from qworker.jobs.job import Job, JobDecodeError, JobError, decode_job
 from qworker.worker.engine_protocol import EngineProtocol
-from qworker.worker.jobs import Job, JobDecodeError, JobError, decode_job
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from qworker.worker.backends.source import JobSource, Lease
+from qworker.backends.source import JobSource, Lease
 
 logger = logging.getLogger(__name__)
 

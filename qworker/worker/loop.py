@@ -20,16 +20,16 @@ import signal
 import threading
 import time
 
+from qworker.backends.sink import Delta, ResultSink
+from qworker.backends.source import JobSource, Lease
 from qworker.errors import EngineFailedError, EngineStepError
+from qworker.health import HealthState
+from qworker.jobs.job import JobError, JobStatus
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats
-from qworker.worker.backends.sink import Delta, ResultSink
-from qworker.worker.backends.source import JobSource, Lease
 from qworker.worker.broker_calls import BrokerCalls
 from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.finish import Finisher
-from qworker.worker.health import HealthState
 from qworker.worker.held import HeldJob, HeldJobs, leases_of
-from qworker.worker.jobs import JobError, JobStatus
 from qworker.worker.lease_keeper import StepLeaseKeeper
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox

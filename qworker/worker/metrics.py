@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from qworker.jobs.job import JobResult, JobStatus
 from qworker.startup import HardwareInfo, StartupTimings
-from qworker.worker.jobs import JobResult, JobStatus
 
 if TYPE_CHECKING:
     from qworker.engine.block_pool import KVCacheStats

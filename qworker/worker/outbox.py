@@ -14,9 +14,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from qworker.worker.backends.sink import Delta, ResultSink
-from qworker.worker.backends.source import JobSource, Lease
-from qworker.worker.jobs import JobResult
+from qworker.backends.sink import Delta, ResultSink
+from qworker.backends.source import JobSource, Lease
+from qworker.jobs.job import JobResult
 
 logger = logging.getLogger(__name__)
 

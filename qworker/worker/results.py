@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
+from qworker.backends.source import Lease
 from qworker.engine.outputs import RequestOutput
-from qworker.worker.backends.source import Lease
-from qworker.worker.jobs import (
+from qworker.jobs.job import (
     Job,
     JobError,
     JobResult,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qworker.jobs.job import JobStatus
 from qworker.startup import HardwareInfo, StartupTimings
 from qworker.worker.admission import AdmissionStats
-from qworker.worker.jobs import JobStatus
 
 # The counter each stored result's status adds one to.
 RESULT_COUNTERS: dict[JobStatus, str] = {

@@ -11,15 +11,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from qworker.backends.sink import Delta, ResultSink
+from qworker.backends.source import JobSource, Lease
 from qworker.errors import InvalidRequestError
+from qworker.jobs.job import JobStatus, resolve_job_id
 from qworker.worker import intake
 from qworker.worker.admission import AdmissionPolicy
-from qworker.worker.backends.sink import Delta, ResultSink
-from qworker.worker.backends.source import JobSource, Lease
 from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.finish import Finisher
 from qworker.worker.held import HeldJob, HeldJobs
-from qworker.worker.jobs import JobStatus, resolve_job_id
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox
 from qworker.worker.retry import BrokerOutageError, is_transient

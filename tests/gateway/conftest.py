@@ -19,8 +19,8 @@ import uvicorn
 
 from qworker.gateway.app import create_app
 from qworker.gateway.settings import GatewaySettings
-from qworker.worker.client import Client
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.jobs.client import Client
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 
 API_KEY = "sk-test-" + uuid.uuid4().hex
 

@@ -23,13 +23,13 @@ import pytest
 import redis as redis_lib
 from standardwebhooks import Webhook
 
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.gateway.app import create_app
+from qworker.gateway.async_api.webhook_targets import WebhookPolicy, WebhookTargetError
+from qworker.gateway.async_api.webhooks import deliver
 from qworker.gateway.settings import GatewaySettings
-from qworker.gateway.webhook_targets import WebhookPolicy, WebhookTargetError
-from qworker.gateway.webhooks import deliver
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.jobs.client import Client
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 from tests.gateway.conftest import serve_app
 from tests.integration.batch_support import write_batch_model_dir
 

@@ -11,7 +11,7 @@ import pytest
 
 from qworker.gateway.backpressure import DemandGate
 from qworker.gateway.errors import GatewayError
-from qworker.worker.demand import PoolDemand, Work
+from qworker.pool.demand import PoolDemand, Work
 
 
 @dataclass

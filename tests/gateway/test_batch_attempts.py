@@ -14,13 +14,13 @@ import time
 import pytest
 import redis as redis_lib
 
-from qworker.gateway.async_api import AsyncApi
-from qworker.gateway.batch_driver import attempts_key
-from qworker.gateway.batch_objects import BATCH_KIND, BatchStatus, batch_object, set_status
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.gateway.async_api.batch_driver import attempts_key
+from qworker.gateway.async_api.objects import BATCH_KIND, BatchStatus, batch_object, set_status
+from qworker.gateway.async_api.services import AsyncApi
 from qworker.gateway.settings import GatewaySettings
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.jobs.client import Client
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
 MAX_ATTEMPTS = 3
 

@@ -28,9 +28,9 @@ import openai
 import pytest
 import redis as redis_lib
 
-from qworker.batch.format import BatchOutputLine
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.openai.format import BatchOutputLine
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 from tests.gateway.conftest import free_port
 from tests.integration.batch_support import (
     CHAT_URL,
@@ -71,8 +71,8 @@ def local_batch_lines(model_dir: Path, folder: Path) -> dict[str, BatchOutputLin
     import torch
 
     from qworker.batch.command import BatchRun, run_batch
-    from qworker.batch.progress import ProgressMode
     from qworker.config import EngineConfig
+    from qworker.openai.batches.progress import ProgressMode
 
     source = write_jsonl(folder / "in.jsonl", ROWS)
     out = folder / "out.jsonl"
@@ -368,7 +368,7 @@ def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
 
 
 def output_parts(files_bucket, batch_id: str) -> set[str]:
-    """The keys of the batch's output parts in the file store (gateway/output_parts.py)."""
+    """The keys of the batch's output parts in the file store (gateway/async_api/output_parts.py)."""
     return {key for key in stored_keys(files_bucket) if f"part-{batch_id}-output-" in key}
 
 
@@ -594,8 +594,8 @@ def test_a_batch_past_expires_at_ends_expired_with_its_partial_output(gateway, w
 def test_the_record_of_sent_rows_in_an_s3_result_store(files_bucket, tmp_path):
     """Results in S3: the record is one object per send under the results prefix, read back
     whole by another runner, and cleared by a --no-resume run; nothing is written locally."""
-    from qworker.batch.submitted import S3Submitted, open_submitted
-    from qworker.worker.connections import open_sink
+    from qworker.backends.connections import open_sink
+    from qworker.openai.batches.submitted import S3Submitted, open_submitted
 
     files_url = files_bucket[1]
     sink = open_sink(files_url.replace("/files?", "/results?"))

@@ -16,11 +16,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.gateway.app import create_app
 from qworker.gateway.http_protocol import server_options
 from qworker.gateway.settings import GatewaySettings
-from qworker.worker.connections import open_sink, open_source
-from qworker.worker.fake_engine import FakeEngine
+from qworker.testing.fake_engine import FakeEngine
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.gateway.conftest import serve_app
@@ -143,7 +143,7 @@ def test_fuzzed_requests_never_get_a_500(api_schema, served):
 @pytest.mark.timeout(30)
 def test_no_job_is_left_waiting_or_held(fake_pool, served):
     url, worker = fake_pool
-    from qworker.worker.client import Client
+    from qworker.jobs.client import Client
 
     with Client(queue=url) as client:
         deadline = time.monotonic() + 10

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qworker.gateway.tokenizer import GatewayTokenizer
-from qworker.worker.jobs import Job
+from qworker.jobs.job import Job
 from tests.gateway.conftest import API_KEY
 
 TASKS_DIR = Path(__file__).parent.parent / "data" / "lm_eval"

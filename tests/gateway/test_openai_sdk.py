@@ -12,10 +12,10 @@ import openai
 import pytest
 import redis
 
-from qworker.batch.rows import request_id_for
 from qworker.gateway.app import create_app
 from qworker.gateway.settings import GatewaySettings
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.openai.rows import request_id_for
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 from tests.gateway.conftest import API_KEY, metric_value, serve_app
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

@@ -12,15 +12,15 @@ import openai
 import pytest
 import redis
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
 from qworker.gateway.app import create_app
 from qworker.gateway.settings import GatewaySettings
-from qworker.worker.client import Client
-from qworker.worker.connections import open_sink, open_source
+from qworker.jobs.client import Client
+from qworker.testing.worker_kit import LOCAL_REDIS_URL, redis_base_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import LOCAL_REDIS_URL, redis_base_url
 from tests.gateway.conftest import serve_app
 from tests.gateway.test_openai_sdk import job_id_of
 from tests.integration.conftest import SqsS3, moto_server, tiny_model_dir  # noqa: F401 - fixtures

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qworker.batch.format import BatchOutputLine
-from qworker.worker.testing import write_tiny_model_dir
+from qworker.openai.format import BatchOutputLine
+from qworker.testing.worker_kit import write_tiny_model_dir
 
 MODEL_NAME = "tiny"
 # The tiny random Llama's weights are near zero, so its greedy picks barely depend on the prompt

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis as redis_lib
 
-from qworker.worker.backends.celery_amqp.url import dead_letter_name
+from qworker.backends.celery_amqp.url import dead_letter_name
 
 RESULTS_REDIS = "redis://127.0.0.1:6379/12"
 RESULTS = "celery+redis://127.0.0.1:6379/12"

@@ -44,11 +44,11 @@ from typing import Any
 
 import redis as redis_lib
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.client import Client
-from qworker.worker.redis_server import RedisServer
-from qworker.worker.redis_topologies import LocalCluster, RedisNode
-from qworker.worker.testing import spawn_worker, write_tiny_model_dir
+from qworker.backends.redis import keys as constants
+from qworker.backends.redis.server import RedisServer
+from qworker.backends.redis.topologies import LocalCluster, RedisNode
+from qworker.jobs.client import Client
+from qworker.testing.worker_kit import spawn_worker, write_tiny_model_dir
 
 MIB = 1024 * 1024
 WORKER_GROWTH_BOUND_BYTES = 96 * MIB

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from qworker.worker.testing import write_tiny_model_dir
+from qworker.testing.worker_kit import write_tiny_model_dir
 
 
 def free_port() -> int:

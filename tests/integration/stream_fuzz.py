@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.jobs import JobResult, JobStatus, resolve_job_id
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.backends.redis import keys as constants
+from qworker.jobs.job import JobResult, JobStatus, resolve_job_id
 
-VOCAB_SIZE = 49152  # the tiny model's (qworker.worker.testing.write_tiny_model_dir)
+VOCAB_SIZE = 49152  # the tiny model's (qworker.testing.worker_kit.write_tiny_model_dir)
 # The worker runs with this context, so that a job asking for a million tokens stays short.
 MAX_MODEL_LEN = 96
 WORKER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16", "--num-kv-blocks", "1024")

@@ -7,8 +7,8 @@ import threading
 
 import redis as redis_lib
 
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.jobs.client import Client
 
 
 def raw_redis(url: str) -> redis_lib.Redis:

@@ -15,8 +15,8 @@ import redis as redis_lib
 from typer.testing import CliRunner
 
 from qworker import cli
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 from tests.integration.batch_support import mixed_rows, write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -15,13 +15,13 @@ import pytest
 from typer.testing import CliRunner
 
 from qworker import cli
-from qworker.batch.files import InputRow
 from qworker.batch.local import LocalRunner
-from qworker.batch.output import BatchOutput, OutputFile
-from qworker.batch.progress import BatchSummary, Progress, ProgressMode
-from qworker.batch.rows import prepare_rows
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
+from qworker.openai.batches.files import InputRow
+from qworker.openai.batches.output import BatchOutput, OutputFile
+from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
+from qworker.openai.rows import prepare_rows
 from tests.integration.batch_support import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -104,7 +104,7 @@ def test_rows_are_read_as_the_engine_frees_room(model_dir, reference, tmp_path):
 
 
 def _location(path):
-    from qworker.batch.files import Location
+    from qworker.openai.batches.files import Location
 
     return Location(str(path), path=path)
 

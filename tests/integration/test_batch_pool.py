@@ -15,11 +15,11 @@ import redis as redis_lib
 from typer.testing import CliRunner
 
 from qworker import cli
-from qworker.batch.files import parse_location
-from qworker.batch.rows import request_id_for
-from qworker.batch.validate import check_input
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, parse_url
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, parse_url
+from qworker.openai.batches.files import parse_location
+from qworker.openai.batches.validate import check_input
+from qworker.openai.rows import request_id_for
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 from tests.integration.batch_support import (
     MODEL_NAME,
     assert_matches_reference,

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qworker import cli
-from qworker.batch.format import BatchOutputLine
+from qworker.openai.format import BatchOutputLine
 from tests.integration.batch_support import (
     CHAT_URL,
     MODEL_NAME,

@@ -18,11 +18,11 @@ import uuid
 import pytest
 import redis as redis_lib
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.client import Client
-from qworker.worker.jobs import JobStatus
-from qworker.worker.redis_server import RedisServer, free_port
-from qworker.worker.testing import spawn_worker
+from qworker.backends.redis import keys as constants
+from qworker.backends.redis.server import RedisServer, free_port
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import spawn_worker
 
 pytestmark = [
     pytest.mark.slow,

@@ -15,9 +15,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import redis as redis_lib
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.connections import open_sink, open_source
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.integration.conftest import wait_for

@@ -13,14 +13,14 @@ import uuid
 import pytest
 import redis as redis_lib
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.client import Client
-from qworker.worker.connections import open_sink, open_source
-from qworker.worker.jobs import JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import spawn_worker
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import spawn_worker
 from tests.integration.conftest import wait_for
 
 BROKER = "redis://127.0.0.1:6379/11"

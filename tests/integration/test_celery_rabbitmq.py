@@ -21,13 +21,19 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from qworker.backends.celery_amqp.broker import AmqpQueueMismatch
+from qworker.backends.connections import (
+    open_backlog,
+    open_dead_letters,
+    open_producer,
+    open_sink,
+    open_source,
+)
+from qworker.backends.source import OutgoingJob
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.backends.celery_amqp.broker import AmqpQueueMismatch
-from qworker.worker.backends.source import OutgoingJob
-from qworker.worker.connections import open_backlog, open_dead_letters, open_producer, open_sink, open_source
-from qworker.worker.demand import PoolSizing
-from qworker.worker.exporter import open_pool_demand_reader
+from qworker.pool.demand import PoolSizing
+from qworker.pool.exporter import open_pool_demand_reader
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.integration import rabbitmq_node

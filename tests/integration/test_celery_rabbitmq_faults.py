@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from qworker.worker.testing import spawn_worker
+from qworker.testing.worker_kit import spawn_worker
 from tests.integration import rabbitmq_node
 from tests.integration.celery_rabbitmq_support import (
     RESULTS,

@@ -9,8 +9,8 @@ import threading
 import pytest
 import redis as redis_lib
 
-from qworker.worker.client import Client
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.jobs.client import Client
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
 NUM_STREAMS = 130
 

@@ -13,10 +13,10 @@ import json
 import pytest
 import redis as redis_lib
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.jobs import JobResult, JobStatus
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.backends.redis import keys as constants
+from qworker.jobs.job import JobResult, JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
 from .stream_fuzz import check_outcomes, generate, run_burst_worker, write_entries
 

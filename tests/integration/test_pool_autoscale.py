@@ -13,9 +13,9 @@ import json
 import pytest
 import redis as redis_lib
 
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.jobs import JobStatus
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 from tests.pool_emulator.scenario import ScenarioRun, bursty_config, run_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

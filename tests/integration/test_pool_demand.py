@@ -13,9 +13,7 @@ import pytest
 import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
-from qworker.worker.admission import AdmissionPolicy, HeldJobSize
-from qworker.worker.backends.source import OutgoingJob
-from qworker.worker.connections import (
+from qworker.backends.connections import (
     SINK_PARAMS,
     SOURCE_PARAMS,
     open_producer,
@@ -23,15 +21,17 @@ from qworker.worker.connections import (
     open_source,
     parse_url,
 )
-from qworker.worker.demand import PoolDemand, PoolSizing
-from qworker.worker.exporter import (
+from qworker.backends.source import OutgoingJob
+from qworker.pool.demand import PoolDemand, PoolSizing
+from qworker.pool.exporter import (
     PoolDemandReader,
     open_backlog,
     open_pool_demand_reader,
     run_metrics_exporter,
 )
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
+from qworker.worker.admission import AdmissionPolicy, HeldJobSize
 from qworker.worker.loop import WorkerStats
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,14 +12,14 @@ import time
 import pytest
 import redis as redis_lib
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.backends.redis.backlog import RedisStreamBacklog
-from qworker.worker.backends.redis.dead_letters import open_dead_letters as open_redis
-from qworker.worker.backends.redis.keys import HIGH_LANE_PREFIX
-from qworker.worker.backends.source import OutgoingJob
-from qworker.worker.connections import InvalidURLError, open_producer, open_source, parse_url
-from qworker.worker.demand import PoolSizing
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.backends.connections import InvalidURLError, open_producer, open_source, parse_url
+from qworker.backends.redis import keys as constants
+from qworker.backends.redis.backlog import RedisStreamBacklog
+from qworker.backends.redis.dead_letters import open_dead_letters as open_redis
+from qworker.backends.redis.keys import HIGH_LANE_PREFIX
+from qworker.backends.source import OutgoingJob
+from qworker.pool.demand import PoolSizing
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,9 +168,9 @@ def test_pool_demand_counts_waiting_and_held_lane_jobs(url):
 def test_hostile_entries_in_the_lane_are_each_answered_and_the_good_ones_run(url):
     """Whatever a producer writes straight into the lane, the worker reading it first neither
     stops nor stalls: each entry gets its one outcome (a result, or a dead letter with a reason)."""
-    from qworker.worker.connections import open_sink
-    from qworker.worker.fake_engine import FakeEngine
-    from qworker.worker.jobs import JobStatus
+    from qworker.backends.connections import open_sink
+    from qworker.jobs.job import JobStatus
+    from qworker.testing.fake_engine import FakeEngine
     from qworker.worker.loop import Worker
     from qworker.worker.settings import WorkerSettings
 

@@ -26,14 +26,14 @@ import math
 import pytest
 import redis as redis_lib
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.client import Client
-from qworker.worker.connections import open_sink, open_source
-from qworker.worker.jobs import JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
 NUM_LOW = 100
 NUM_HIGH = 5

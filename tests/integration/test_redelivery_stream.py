@@ -10,11 +10,11 @@ import signal
 
 import pytest
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.jobs import JobStatus
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.backends.redis import keys as constants
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
 from tests.integration.conftest import wait_for
 from tests.integration.streaming import StreamReader, raw_redis
 

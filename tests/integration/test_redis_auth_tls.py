@@ -17,14 +17,14 @@ import uuid
 import pytest
 import redis as redis_lib
 
+from qworker.backends.connections import open_sink, open_source, redact_url
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.client import Client
-from qworker.worker.connections import open_sink, open_source, redact_url
-from qworker.worker.jobs import JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import unique_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import PAYLOAD_LOGGERS, WorkerSettings, quiet_payload_loggers
-from qworker.worker.testing import unique_url
 
 from .conftest import free_port
 

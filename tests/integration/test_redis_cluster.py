@@ -1,4 +1,4 @@
-"""qworker on a real 3-primary Redis Cluster on loopback ports (qworker/worker/redis_topologies.py):
+"""qworker on a real 3-primary Redis Cluster on loopback ports (qworker/backends/redis/topologies.py):
 jobs through the stream and its priority lane, streaming, cancel, dead letters and their replay
 through `qworker dlq`, the SIGKILL of a worker holding jobs, and a slot migration of the queue's
 slot to another node mid-run. One cluster and one worker process (the tiny random Llama) for the
@@ -20,15 +20,15 @@ import redis as redis_lib
 from redis.crc import key_slot
 from typer.testing import CliRunner
 
+from qworker.backends.connections import InvalidURLError, open_producer, open_sink, open_source
+from qworker.backends.redis import keys
+from qworker.backends.redis.results import WORKER_STATS_TTL_S
+from qworker.backends.redis.topologies import LocalCluster
+from qworker.backends.source import OutgoingJob
 from qworker.cli import app
-from qworker.worker.backends.redis import keys
-from qworker.worker.backends.redis.results import WORKER_STATS_TTL_S
-from qworker.worker.backends.source import OutgoingJob
-from qworker.worker.client import Client
-from qworker.worker.connections import InvalidURLError, open_producer, open_sink, open_source
-from qworker.worker.jobs import JobStatus
-from qworker.worker.redis_topologies import LocalCluster
-from qworker.worker.testing import spawn_worker
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import spawn_worker
 
 pytestmark = [
     pytest.mark.slow,
@@ -272,7 +272,7 @@ def test_an_old_layout_stream_on_the_cluster_says_what_to_do(cluster, node_clien
 def test_a_batch_runs_record_of_submitted_jobs_lives_on_the_cluster(url, tmp_path):
     """`qworker batch --queue` keeps the ids it enqueued in the result store (one set), so that a
     rerun enqueues nothing twice: on a cluster too."""
-    from qworker.batch.submitted import RedisSubmitted, open_submitted
+    from qworker.openai.batches.submitted import RedisSubmitted, open_submitted
 
     batch_id = uuid.uuid4().hex[:8]
     sink = open_sink(url)
@@ -290,8 +290,8 @@ def test_a_batch_runs_record_of_submitted_jobs_lives_on_the_cluster(url, tmp_pat
 def test_the_pool_demand_exporter_reads_a_queue_and_the_worker_reports_on_the_cluster(cluster, worker):
     """A queue no worker serves: its waiting jobs are read from its slot, and the live worker's
     stats report (in its own slot) is found by the SCAN over every node."""
-    from qworker.worker.demand import PoolSizing
-    from qworker.worker.exporter import open_pool_demand_reader
+    from qworker.pool.demand import PoolSizing
+    from qworker.pool.exporter import open_pool_demand_reader
 
     idle = f"{cluster.url}?stream=qwc:idle:{uuid.uuid4().hex[:6]}&group=g&prefix={PREFIX}"
     client = Client(queue=idle)

@@ -1,5 +1,5 @@
 """qworker on Redis with Sentinel: a primary, a replica and three sentinels on loopback ports
-(qworker/worker/redis_topologies.py), one worker process (the tiny random Llama) on a
+(qworker/backends/redis/topologies.py), one worker process (the tiny random Llama) on a
 redis+sentinel:// URL. The primary is SIGKILLed mid-run; the sentinels promote the replica, and
 the worker rides the failover out: each of the 200 jobs ends with exactly one stored result
 (a job may run twice, since replication is asynchronous), nothing is left pending, and the worker
@@ -16,12 +16,12 @@ import uuid
 import pytest
 import redis as redis_lib
 
-from qworker.worker.backends.redis import keys
-from qworker.worker.client import Client
-from qworker.worker.connections import InvalidURLError, open_sink
-from qworker.worker.jobs import JobStatus
-from qworker.worker.redis_topologies import LocalSentinels
-from qworker.worker.testing import spawn_worker
+from qworker.backends.connections import InvalidURLError, open_sink
+from qworker.backends.redis import keys
+from qworker.backends.redis.topologies import LocalSentinels
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import spawn_worker
 
 pytestmark = [
     pytest.mark.slow,

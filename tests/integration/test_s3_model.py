@@ -123,7 +123,7 @@ def proxy(moto_server):
 
 @pytest.fixture(scope="module")
 def sharded_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """conftest's tiny random Llama (qworker.testing) with the SmolLM2 tokenizer, saved sharded."""
+    """conftest's tiny random Llama (qworker.testing.tiny_model) with the SmolLM2 tokenizer, saved sharded."""
     from transformers import AutoModelForCausalLM
 
     target = tmp_path_factory.mktemp("sharded-tiny")

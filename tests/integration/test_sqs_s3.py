@@ -9,14 +9,14 @@ import time
 
 import pytest
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.client import Client
-from qworker.worker.connections import open_sink, open_source
-from qworker.worker.jobs import JobResult, JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobResult, JobStatus
+from qworker.testing.worker_kit import LOCAL_REDIS_URL, redis_base_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import LOCAL_REDIS_URL, redis_base_url
 from tests.integration.conftest import wait_for
 
 

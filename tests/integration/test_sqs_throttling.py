@@ -16,11 +16,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from qworker.backends.connections import InvalidURLError, aws_retries, open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.client import Client
-from qworker.worker.connections import InvalidURLError, aws_retries, open_sink, open_source
-from qworker.worker.jobs import JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 

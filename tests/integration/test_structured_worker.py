@@ -19,12 +19,12 @@ import redis as redis_lib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qworker.batch.format import RowError
-from qworker.batch.rows import parse_row
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.jobs import JobResult, JobStatus
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.backends.redis import keys as constants
+from qworker.jobs.job import JobResult, JobStatus
+from qworker.openai.format import RowError
+from qworker.openai.rows import parse_row
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
 from .stream_fuzz import Entry, check_outcomes, generate, run_burst_worker, write_entries
 

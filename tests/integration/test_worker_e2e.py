@@ -8,16 +8,16 @@ import threading
 import pytest
 import redis as redis_lib
 
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
 from qworker.config import EngineConfig
 from qworker.engine.llm import LLM
 from qworker.engine.llm_engine import LLMEngine
 from qworker.engine.sampling_params import SamplingParams
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
-from qworker.worker.jobs import JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -10,11 +10,11 @@ import time
 import pytest
 import redis as redis_lib
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.jobs import JobStatus
-from qworker.worker.testing import cleanup, redis_base_url, spawn_worker, unique_url, write_tiny_model_dir
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.backends.redis import keys as constants
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url, write_tiny_model_dir
 
 
 @pytest.fixture(scope="module")

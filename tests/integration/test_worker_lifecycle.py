@@ -10,15 +10,15 @@ import time
 import pytest
 import redis as redis_lib
 
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
+from qworker.backends.redis import keys as constants
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
-from qworker.worker.jobs import JobResult, JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobResult, JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url, write_tiny_model_dir
 from qworker.worker.loop import Worker, run_beside
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import cleanup, redis_base_url, unique_url, write_tiny_model_dir
 
 
 @pytest.fixture(scope="module")

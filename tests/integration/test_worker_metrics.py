@@ -24,11 +24,11 @@ import pytest
 import redis as redis_lib
 from prometheus_client.parser import text_string_to_metric_families
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.client import Client
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-from qworker.worker.jobs import JobStatus
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.backends.redis import keys as constants
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobStatus
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -19,7 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(240)
 
 MAX_TOKENS = 6
-# qworker.testing.TINY_LLAMA (head_dim 16, GQA 2: the smallest shapes the kernels take), with an
+# qworker.testing.tiny_model.TINY_LLAMA (head_dim 16, GQA 2: the smallest shapes the kernels take), with an
 # MLP width that is not a power of two.
 MODEL_ARGS = dict(intermediate_size=96)
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
-from qworker.worker.demand import PoolSizing
-from qworker.worker.exporter import run_metrics_exporter
-from qworker.worker.jobs import JobResult
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
+from qworker.backends.redis import keys as constants
+from qworker.jobs.job import JobResult
+from qworker.pool.demand import PoolSizing
+from qworker.pool.exporter import run_metrics_exporter
 from tests.pool_emulator.autoscale import Autoscaler, ScalingPolicy
 from tests.pool_emulator.worker_pool import Victim, WorkerPool
 
@@ -291,7 +291,7 @@ class _Submitter(threading.Thread):
         return time.monotonic() - self.t0 + burst.at_s
 
     def run(self) -> None:
-        from qworker.worker.client import Client
+        from qworker.jobs.client import Client
 
         ids_by_burst: dict[str, list[str]] = {}
         try:

@@ -31,9 +31,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
-from qworker.worker.health import READINESS_PATH
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url, redis_client
+from qworker.backends.redis import keys as constants
+from qworker.health import READINESS_PATH
 
 QUEUE_URL_ENV = "QWORKER_QUEUE_URL"
 # What the worker loop logs as its drain begins.
@@ -306,7 +306,7 @@ def measure_cold_start(
     """Put `job` on the queue, start one worker and time it: process start -> /readyz 200, and ->
     the job's first token (the engine's clock, in the stored result), and -> its stored result.
     `extra_env`: e.g. QWORKER_CACHE_DIR of an empty folder, for a node's very first start."""
-    from qworker.worker.client import Client
+    from qworker.jobs.client import Client
 
     with Client(queue=queue_url) as client:
         job_id = client.submit(job)

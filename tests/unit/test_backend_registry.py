@@ -1,4 +1,4 @@
-"""The backend table (qworker.worker.backends.BACKENDS): every scheme names a package whose
+"""The backend table (qworker.backends.BACKENDS): every scheme names a package whose
 BACKEND provides each part (a source or a result store, a producer, a backlog reader, dead-letter
 tools) or declares, with a reason, that it does not; and asking for a declared-missing part is an
 InvalidURLError that gives the reason and names the schemes that do provide it.
@@ -15,20 +15,20 @@ import sys
 
 import pytest
 
-from qworker.cli import EXIT_USAGE
-from qworker.worker import connections
-from qworker.worker.backends import (
+from qworker.backends import (
     BACKENDS,
     PART_ROLES,
     Backend,
     NotSupported,
     backend_for,
     backend_parts,
+    connections,
     load_backend,
     schemes_providing,
 )
-from qworker.worker.demand import PoolSizing
-from qworker.worker.urls import InvalidURLError
+from qworker.backends.urls import InvalidURLError
+from qworker.cli_errors import EXIT_USAGE
+from qworker.pool.demand import PoolSizing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,7 +126,7 @@ def test_an_unknown_scheme_is_named_as_unknown_for_every_part():
 
 
 def test_adding_a_backend_is_one_line(monkeypatch):
-    monkeypatch.setitem(BACKENDS, "inproc", "qworker.worker.backends.memory")
+    monkeypatch.setitem(BACKENDS, "inproc", "qworker.backends.memory")
     assert "inproc" in connections.queue_schemes() and "inproc" in connections.result_schemes()
     source = connections.open_source("inproc://registry-test", consumer="c")
     assert source.queue_name == "memory:registry-test"

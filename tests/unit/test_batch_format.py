@@ -12,23 +12,23 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from qworker.batch import rows as rows_module
-from qworker.batch.bodies import (
+from qworker.engine.outputs import CompletionOutput
+from qworker.jobs.job import JobError, JobResult, JobStatus
+from qworker.openai import rows as rows_module
+from qworker.openai.batches.files import Location, split_lines
+from qworker.openai.batches.output import OutputFileError, done_custom_ids
+from qworker.openai.batches.pool import SubmittedJournal, error_of_result, job_for
+from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
+from qworker.openai.batches.validate import BatchFileError, check_input
+from qworker.openai.bodies import (
     Generation,
     choice_logprobs_chat,
     choice_logprobs_completion,
     response_body,
     top_entries,
 )
-from qworker.batch.files import Location, split_lines
-from qworker.batch.format import MIN_LOGPROB, BatchOutputLine, RowError, error_line, success_line
-from qworker.batch.output import OutputFileError, done_custom_ids
-from qworker.batch.pool import SubmittedJournal, error_of_result, job_for
-from qworker.batch.progress import BatchSummary, Progress, ProgressMode
-from qworker.batch.rows import Endpoint, parse_row, request_id_for, sampling_kwargs
-from qworker.batch.validate import BatchFileError, check_input
-from qworker.engine.outputs import CompletionOutput
-from qworker.worker.jobs import JobError, JobResult, JobStatus
+from qworker.openai.format import MIN_LOGPROB, BatchOutputLine, RowError, error_line, success_line
+from qworker.openai.rows import Endpoint, parse_row, request_id_for, sampling_kwargs
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -523,8 +523,8 @@ def test_rows_collected_from_an_earlier_run_are_not_counted_as_generated_tokens(
 def test_chat_roles_are_openais_and_the_job_schemas():
     import typing
 
-    from qworker.batch.rows import CHAT_ROLES, parse_messages
-    from qworker.worker.jobs import ChatRole
+    from qworker.jobs.job import ChatRole
+    from qworker.openai.rows import CHAT_ROLES, parse_messages
 
     assert typing.get_args(ChatRole) == CHAT_ROLES
     with pytest.raises(RowError, match=r"messages\[0\].role must be one of system, developer, user"):

@@ -8,6 +8,7 @@ import logging
 import pytest
 import redis as redis_lib
 
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, parse_url
 from qworker.batch.invariance import (
     local_engine_config,
     warn_unless_pool_is_invariant,
@@ -15,9 +16,8 @@ from qworker.batch.invariance import (
 )
 from qworker.config import EngineConfig
 from qworker.startup import HardwareInfo
-from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, parse_url
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 from qworker.worker.stats import WorkerStats
-from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
 pytestmark = pytest.mark.timeout(30)
 

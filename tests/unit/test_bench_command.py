@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from qworker.worker.testing import write_tiny_model_dir
+    from qworker.testing.worker_kit import write_tiny_model_dir
 
     try:
         return write_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")

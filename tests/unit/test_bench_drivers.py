@@ -16,7 +16,7 @@ from qworker.bench.run import RunLimits, RunResult
 from qworker.bench.run_loop import run_system, warm_up
 from qworker.bench.workload import BenchRequest, generate_requests, parse_workload
 from qworker.config import EngineConfig
-from qworker.testing import TINY_LLAMA
+from qworker.testing.tiny_model import TINY_LLAMA
 from tests.conftest import tiny_engine
 
 pytestmark = pytest.mark.timeout(240)
@@ -171,11 +171,11 @@ def test_queue_results_only_beside_an_in_process_worker(tiny_llama, tmp_path) ->
     """scripts/bench_queue.py's queue mode: the worker on this thread, the run loop beside it
     submitting jobs at their send times and reading results in submit order, through Redis."""
     pytest.importorskip("redis")
+    from qworker.backends.connections import open_sink, open_source
     from qworker.bench.queue_client import QueueClientSystem
-    from qworker.worker.connections import open_sink, open_source
+    from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
     from qworker.worker.loop import Worker, run_beside
     from qworker.worker.settings import WorkerSettings
-    from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
     engine = tiny_engine(tiny_llama, num_kv_blocks=64, block_size=4)
     url = unique_url(redis_base_url(), tag="bench-drivers")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qworker.backends.connections import open_sink, open_source
 from qworker.bench.command import _build_systems
 from qworker.bench.gateway_http import GatewayHttpSystem
 from qworker.bench.queue_client import QueueClientSystem
@@ -22,8 +23,7 @@ from qworker.bench.run_loop import run_system, warm_up
 from qworker.bench.workload import generate_requests, parse_workload
 from qworker.gateway.app import create_app
 from qworker.gateway.settings import GatewaySettings
-from qworker.worker.connections import open_sink, open_source
-from qworker.worker.fake_engine import VOCAB_SIZE, FakeEngine
+from qworker.testing.fake_engine import VOCAB_SIZE, FakeEngine
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.gateway.conftest import serve_app

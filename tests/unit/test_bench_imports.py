@@ -94,7 +94,7 @@ def test_gpu_check_imports_without_the_worker_extras(tmp_path: Path) -> None:
 
 def test_the_block_works(tmp_path: Path) -> None:
     """The probe really hides them: the worker's job model (pydantic) does not import under it."""
-    proc = probe(tmp_path, ("qworker.worker.jobs",))
+    proc = probe(tmp_path, ("qworker.jobs.job",))
     assert proc.returncode != 0 and "No module named 'pydantic'" in proc.stderr
 
 

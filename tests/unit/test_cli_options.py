@@ -300,7 +300,7 @@ def test_readme_configuration_tables_match_the_options():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from qworker.worker.testing import write_tiny_model_dir
+    from qworker.testing.worker_kit import write_tiny_model_dir
 
     return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-cli"))
 
@@ -311,9 +311,9 @@ def tiny_model_dir(tmp_path_factory):
 def test_scheduling_policy_orders_a_real_workers_jobs(policy, tiny_model_dir, tmp_path):
     import redis
 
-    from qworker.worker.client import Client
-    from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
-    from qworker.worker.testing import cleanup, redis_base_url, unique_url
+    from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+    from qworker.jobs.client import Client
+    from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
     url = unique_url(redis_base_url(), "cli-policy")
     job = {

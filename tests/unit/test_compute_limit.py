@@ -17,8 +17,8 @@ from qworker.bench.compute_limit import (
     schedule_seconds,
 )
 from qworker.bench.report import render_report_md, throughput_ratios
-from qworker.model.config import ModelConfig
-from qworker.testing import TINY_LLAMA, tiny_llama_config
+from qworker.model.registry import model_config_from_hf
+from qworker.testing.tiny_model import TINY_LLAMA, tiny_llama_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,7 +116,7 @@ def test_needed_points_cover_each_bucket_once():
 
 
 def test_measured_limit_on_a_small_model_and_the_report_lines():
-    shapes = config_shapes(ModelConfig.from_hf(tiny_llama_config()))
+    shapes = config_shapes(model_config_from_hf(tiny_llama_config()))
     assert shapes.lm_head.out_features == TINY_LLAMA["vocab_size"]
     limit = measure_compute_limit(
         shapes, [20, 12], [4, 2], dtype=torch.float32, max_num_batched_tokens=16, max_num_seqs=8

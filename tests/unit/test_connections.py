@@ -1,5 +1,5 @@
-"""Opening URLs through the backend table (qworker.worker.backends.BACKENDS, used by
-qworker.worker.connections): each scheme opens its class, errors list what the table holds, and
+"""Opening URLs through the backend table (qworker.backends.BACKENDS, used by
+qworker.backends.connections): each scheme opens its class, errors list what the table holds, and
 URL query parameters nobody takes are an InvalidURLError.
 
 Sinks open without connecting (redis-py and boto3 connect at the first command); the Redis
@@ -14,18 +14,11 @@ import uuid
 
 import pytest
 
-from qworker.worker import connections
-from qworker.worker.backends import BACKENDS
-from qworker.worker.backends.celery.producer import CeleryProducer
-from qworker.worker.backends.celery.results import CeleryResultSink
-from qworker.worker.backends.celery.source import CelerySource
-from qworker.worker.backends.memory.queue import MemoryProducer, MemorySource
-from qworker.worker.backends.memory.results import MemoryResultSink
-from qworker.worker.backends.redis.producer import RedisStreamProducer
-from qworker.worker.backends.redis.results import RedisResultSink
-from qworker.worker.backends.redis.streams import RedisStreamSource
-from qworker.worker.backends.s3.results import S3ResultSink
-from qworker.worker.connections import (
+from qworker.backends import BACKENDS, connections
+from qworker.backends.celery.producer import CeleryProducer
+from qworker.backends.celery.results import CeleryResultSink
+from qworker.backends.celery.source import CelerySource
+from qworker.backends.connections import (
     InvalidURLError,
     default_results_url,
     open_producer,
@@ -34,7 +27,13 @@ from qworker.worker.connections import (
     queue_schemes,
     result_schemes,
 )
-from qworker.worker.testing import redis_base_url
+from qworker.backends.memory.queue import MemoryProducer, MemorySource
+from qworker.backends.memory.results import MemoryResultSink
+from qworker.backends.redis.producer import RedisStreamProducer
+from qworker.backends.redis.results import RedisResultSink
+from qworker.backends.redis.streams import RedisStreamSource
+from qworker.backends.s3.results import S3ResultSink
+from qworker.testing.worker_kit import redis_base_url
 
 AWS = "region=us-east-1&endpoint_url=http://127.0.0.1:9"
 
@@ -112,8 +111,8 @@ def test_sqs_scheme_opens_an_sqs_source():
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from qworker.worker.backends.sqs.producer import SqsProducer
-    from qworker.worker.backends.sqs.source import SqsSource
+    from qworker.backends.sqs.producer import SqsProducer
+    from qworker.backends.sqs.source import SqsSource
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,7 +148,7 @@ def test_unknown_scheme_lists_the_table(monkeypatch):
     with pytest.raises(InvalidURLError, match="has no scheme"):
         open_sink("/just/a/path")
     # One line adds a backend; the messages follow the table.
-    monkeypatch.setitem(BACKENDS, "inproc", "qworker.worker.backends.memory")
+    monkeypatch.setitem(BACKENDS, "inproc", "qworker.backends.memory")
     assert type(open_source("inproc://q", consumer="c")) is MemorySource
     with pytest.raises(InvalidURLError, match="inproc://"):
         open_source("amqp://host", consumer="c")

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from qworker.worker.backends.backlog import parse_worker_report
-from qworker.worker.backends.celery.backlog import celery_envelope_blocks
-from qworker.worker.demand import (
+from qworker.backends.backlog import parse_worker_report
+from qworker.backends.celery.backlog import celery_envelope_blocks
+from qworker.pool.demand import (
     MESSAGE_OVERHEAD_TOKENS,
     PoolSizing,
     Work,

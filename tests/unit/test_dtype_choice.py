@@ -10,7 +10,7 @@ import torch
 
 from qworker.engine import runner
 from qworker.engine.llm import LLM
-from qworker.worker.testing import write_tiny_model_dir
+from qworker.testing.worker_kit import write_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import typer
 
-from qworker.cli import EXIT_ENGINE_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, reported_errors
+from qworker.cli_errors import EXIT_ENGINE_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, reported_errors
 from qworker.errors import EngineFailedError
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The GPU check's roofline arithmetic against values worked out by hand for qworker.testing's
+"""The GPU check's roofline arithmetic against values worked out by hand for qworker.testing.tiny_model's
 TINY_LLAMA (L=2, H=64, I=128, V=256, NH=4, NKV=2, D=16), and the 1B shape's known size."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from qworker.bench.gpu_check.roofline import DecoderShape, decode_step_cost, roofline_row
 from qworker.bench.gpu_check.sizes import LLAMA_1B_SHAPE
-from qworker.testing import TINY_LLAMA
+from qworker.testing.tiny_model import TINY_LLAMA
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from qworker.engine.block_pool import KVCacheStats
-from qworker.worker.health import HealthServer, HealthState
-from qworker.worker.jobs import JobError, JobResult, JobStatus, Timings, Usage
+from qworker.health import HealthServer, HealthState
+from qworker.jobs.job import JobError, JobResult, JobStatus, Timings, Usage
 from qworker.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,15 +12,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from qworker.backends.memory.queue import MemoryQueue, MemorySource
+from qworker.backends.memory.results import MemoryResultSink
 from qworker.engine.llm import LLM
 from qworker.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from qworker.errors import InvalidParamsError, InvalidRequestError
-from qworker.worker.backends.memory.queue import MemoryQueue, MemorySource
-from qworker.worker.backends.memory.results import MemoryResultSink
-from qworker.worker.jobs import JobError, JobResult, JobStatus
+from qworker.jobs.job import JobError, JobResult, JobStatus
+from qworker.testing.worker_kit import write_tiny_model_dir
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.testing import write_tiny_model_dir
 
 VOCAB_SIZE = 49152  # the tiny model's (write_tiny_model_dir), the SmolLM2 tokenizer's
 MAX_MODEL_LEN = 48

@@ -1,7 +1,8 @@
-"""No import cycles inside qworker: the graph of which module imports which at module level has no
-cycle. Module level means at the top of a file or in its module-level if/try/with blocks, `if
-TYPE_CHECKING:` included (a type shared both ways is a circle too, cured the same way: move the
-shared types down). Imports inside functions are lazy by intent and do not count.
+"""No import cycles inside qworker: the graph of which module imports which has no cycle, counting
+every import: at the top of a file, in module-level if/try/with blocks (`if TYPE_CHECKING:`
+included: a type shared both ways is a circle too, cured the same way, by moving the shared types
+down) and inside functions. A lazy import keeps a heavy dependency out of a light command; it must
+still point down, or the two modules are one concern split in two.
 
 Read from the source with `ast`: nothing is imported, so it costs well under a second.
 """
@@ -46,12 +47,21 @@ def _module_level(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]
                 yield from _module_level(handler.body)
 
 
-def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules that `name` imports at module level. `from a.b import c` counts as
-    an import of `a.b.c` when that is a module, else of `a.b`."""
+def _everywhere(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, those in functions and classes included."""
+    for statement in body:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                yield node
+
+
+def imported_modules(name: str, path: Path, known: set[str], *, include_lazy: bool = True) -> set[str]:
+    """The package's modules that `name` imports (at module level only, without `include_lazy`).
+    `from a.b import c` counts as an import of `a.b.c` when that is a module, else of `a.b`."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in _module_level(ast.parse(path.read_text(), str(path)).body):
+    walk = _everywhere if include_lazy else _module_level
+    for node in walk(ast.parse(path.read_text(), str(path)).body):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -103,10 +113,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
+def import_graph(package_dir: Path, *, include_lazy: bool = True) -> dict[str, set[str]]:
     modules = module_files(package_dir)
     known = set(modules)
-    return {name: imported_modules(name, path, known) for name, path in modules.items()}
+    return {
+        name: imported_modules(name, path, known, include_lazy=include_lazy) for name, path in modules.items()
+    }
 
 
 def test_the_checker_finds_a_cycle(tmp_path):
@@ -120,10 +132,14 @@ def test_the_checker_finds_a_cycle(tmp_path):
     )
     (pkg / "c.py").write_text("import pkg.a\n\ndef lazy():\n    from pkg import d\n")
     (pkg / "d.py").write_text("from pkg.c import lazy\n")
-    graph = import_graph(pkg)
+    graph = import_graph(pkg, include_lazy=False)
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}
     assert graph["pkg.c"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.c"}
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    # Counting the import inside lazy(), c and d import each other too.
+    graph = import_graph(pkg)
+    assert graph["pkg.c"] == {"pkg.a", "pkg.d"}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.d", "pkg.sub.b"]]
     (pkg / "c.py").write_text("import pkg.d\n")
     assert cycles(import_graph(pkg)) == [["pkg.c", "pkg.d"]]
     (pkg / "d.py").write_text("import pkg\n")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qworker.worker import health
-from qworker.worker.backends.redis import keys as constants
-from qworker.worker.exporter import PoolMetrics
+from qworker import health
+from qworker.backends.redis import keys as constants
+from qworker.pool.exporter import PoolMetrics
 from qworker.worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -309,7 +309,7 @@ def test_keda_redis_trigger_scales_on_the_length_of_qworkers_default_stream_and_
 def test_keda_cluster_and_sentinel_triggers_name_the_keys_of_their_layout():
     """On a cluster the stream keys carry the queue's hash tag; under Sentinel they are the
     single-server names, and the trigger names the service the sentinels watch."""
-    from qworker.worker.backends.redis.keys import CLUSTER, SINGLE_SERVER
+    from qworker.backends.redis.keys import CLUSTER, SINGLE_SERVER
 
     by_type: dict[str, list[dict]] = {}
     for _, scaled_object in _k8s_objects("ScaledObject"):
@@ -355,7 +355,7 @@ def test_scaled_objects_are_well_formed_for_keda():
 
 
 def test_keda_rabbitmq_trigger_counts_ready_and_unacked_messages_of_qworkers_default_queue():
-    from qworker.worker.backends.celery_amqp.url import DEFAULT_QUEUE
+    from qworker.backends.celery_amqp.url import DEFAULT_QUEUE
 
     (trigger,) = [
         t for _, so in _k8s_objects("ScaledObject") for t in so["spec"]["triggers"] if t["type"] == "rabbitmq"

@@ -18,10 +18,10 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
+from qworker import health
+from qworker.backends.redis import keys
 from qworker.model_store.s3 import S3ModelURL
-from qworker.worker import health
-from qworker.worker.backends.redis import keys
-from qworker.worker.exporter import PoolMetrics
+from qworker.pool.exporter import PoolMetrics
 from tests.unit.test_infra import (
     INFRA,
     K8S,

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from qworker.worker.admission import AdmissionPolicy, HeldJobSize
-from qworker.worker.jobs import (
+from qworker.jobs.job import (
     MAX_JOB_BYTES,
     Job,
     JobDecodeError,
@@ -17,6 +16,7 @@ from qworker.worker.jobs import (
     derived_job_id,
     resolve_job_id,
 )
+from qworker.worker.admission import AdmissionPolicy, HeldJobSize
 
 
 def decode_error(body: bytes) -> JobDecodeError:
@@ -141,9 +141,9 @@ def test_admission_rule():
 def test_exported_schemas_are_current():
     from pathlib import Path
 
-    from qworker.worker.schema import render, schemas
+    from qworker.jobs.json_schema import render, schemas
 
     docs = Path(__file__).resolve().parents[2] / "docs"
     for name, schema in schemas().items():
         current = (docs / name).read_text()
-        assert current == render(schema), f"stale {name}: run python -m qworker.worker.schema docs"
+        assert current == render(schema), f"stale {name}: run python -m qworker.jobs.json_schema docs"

@@ -48,10 +48,10 @@ def test_worker_loop_and_its_test_parts_import_no_torch():
     modules = [
         "qworker.worker.engine_protocol",
         "qworker.worker.loop",
-        "qworker.worker.fake_engine",
-        "qworker.worker.backends.memory.queue",
-        "qworker.worker.backends.memory.results",
-        "qworker.worker.connections",
+        "qworker.testing.fake_engine",
+        "qworker.backends.memory.queue",
+        "qworker.backends.memory.results",
+        "qworker.backends.connections",
     ]
     loaded = imported_after(modules, ENGINE_LIBRARIES)
     assert loaded == [], f"the worker side pulled in {loaded}: the worker never touches tensors"
@@ -60,7 +60,9 @@ def test_worker_loop_and_its_test_parts_import_no_torch():
 @pytest.mark.timeout(150)
 def test_connections_open_backends_lazily():
     # The table names modules; nothing of a backend's client library loads until a URL uses it.
-    loaded = imported_after(["qworker.worker.connections"], ("redis", "boto3", "botocore", "kombu", "celery"))
+    loaded = imported_after(
+        ["qworker.backends.connections"], ("redis", "boto3", "botocore", "kombu", "celery")
+    )
     assert loaded == []
 
 
@@ -104,7 +106,7 @@ def test_engines_satisfy_the_engine_protocol(request, tmp_path):
             str(cache_dir),
             "qworker/worker/engine_protocol.py",
             "qworker/worker/loop.py",
-            "qworker/worker/fake_engine.py",
+            "qworker/testing/fake_engine.py",
         ],
         capture_output=True,
         text=True,

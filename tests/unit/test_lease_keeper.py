@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from qworker.worker.backends.memory.queue import MemoryQueue, MemorySource
-from qworker.worker.backends.memory.results import MemoryResultSink
-from qworker.worker.backends.source import Lease
-from qworker.worker.fake_engine import FakeEngine
-from qworker.worker.jobs import JobStatus
+from qworker.backends.memory.queue import MemoryQueue, MemorySource
+from qworker.backends.memory.results import MemoryResultSink
+from qworker.backends.source import Lease
+from qworker.jobs.job import JobStatus
+from qworker.testing.fake_engine import FakeEngine
 from qworker.worker.lease_keeper import StepLeaseKeeper
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings

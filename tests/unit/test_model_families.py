@@ -206,9 +206,9 @@ def test_longrope_tables_match_transformers_on_both_sides_of_the_original_contex
 
 
 def _model_config(model_type: str, hf_config: Any) -> Any:
-    from qworker.model.config import ModelConfig
+    from qworker.model.registry import model_config_from_hf
 
-    config = ModelConfig.from_hf(hf_config)
+    config = model_config_from_hf(hf_config)
     assert config.model_type == model_type
     return config
 
@@ -311,7 +311,7 @@ def test_the_worker_exits_with_the_usage_code_on_a_bad_checkpoint(
     """As a user runs it: one line, exit code 2 (docs/WORKER.md), and it never says ready."""
     import os
 
-    from qworker.cli import EXIT_USAGE
+    from qworker.cli_errors import EXIT_USAGE
     from qworker.model.loader import resolve_model
 
     path = rewrite_checkpoint(

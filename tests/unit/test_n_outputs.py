@@ -127,12 +127,12 @@ def test_n_and_logprobs_through_a_worker_on_redis(tiny_llama) -> None:
     the result lists every completion and their logprobs as the engine gives them offline."""
     import redis as redis_lib
 
-    from qworker.worker.client import Client
-    from qworker.worker.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
-    from qworker.worker.jobs import JobResult, JobStatus, logprobs_dict
+    from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
+    from qworker.jobs.client import Client
+    from qworker.jobs.job import JobResult, JobStatus, logprobs_dict
+    from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
     from qworker.worker.loop import Worker
     from qworker.worker.settings import WorkerSettings
-    from qworker.worker.testing import cleanup, redis_base_url, unique_url
 
     url = unique_url(redis_base_url(), tag="n-logprobs")
     params = {"n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 9, "ignore_eos": True}

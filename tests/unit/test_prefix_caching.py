@@ -504,8 +504,8 @@ class ObservedEngine:
 
 
 def run_worker_on_shared_prefix_jobs(tiny_llama, enable_prefix_caching: bool) -> dict[str, Any]:
-    from qworker.worker.backends.memory.queue import MemoryQueue, MemorySource
-    from qworker.worker.backends.memory.results import MemoryResultSink
+    from qworker.backends.memory.queue import MemoryQueue, MemorySource
+    from qworker.backends.memory.results import MemoryResultSink
     from qworker.worker.loop import Worker
     from qworker.worker.settings import WorkerSettings
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from qworker.worker.backends.redis import keys
-from qworker.worker.backends.redis.cluster import node_urls
-from qworker.worker.backends.redis.connection import durability, key_layout, parse_redis_url
-from qworker.worker.urls import InvalidURLError
+from qworker.backends.redis import keys
+from qworker.backends.redis.cluster import node_urls
+from qworker.backends.redis.connection import durability, key_layout, parse_redis_url
+from qworker.backends.urls import InvalidURLError
 
 
 def test_the_cluster_layout_puts_a_queue_in_one_slot_and_a_job_in_one_slot():

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import redis
 
-from qworker.worker.backends.memory.queue import Journal, MemoryQueue, MemorySource
-from qworker.worker.backends.memory.results import MemoryResultSink
-from qworker.worker.fake_engine import FakeEngine
-from qworker.worker.health import HealthState
-from qworker.worker.jobs import JobStatus
+from qworker.backends.memory.queue import Journal, MemoryQueue, MemorySource
+from qworker.backends.memory.results import MemoryResultSink
+from qworker.health import HealthState
+from qworker.jobs.job import JobStatus
+from qworker.testing.fake_engine import FakeEngine
 from qworker.worker.loop import Worker
 from qworker.worker.retry import BrokerOutage, BrokerOutageError, is_transient
 from qworker.worker.settings import WorkerSettings

@@ -36,7 +36,7 @@ def test_an_engine_built_in_phases_matches_llm_engine(tmp_path):
     from qworker.engine.llm_engine import LLMEngine
     from qworker.engine.sampling_params import SamplingParams
     from qworker.engine.startup import describe_hardware, load_engine_in_phases
-    from qworker.worker.testing import write_tiny_model_dir
+    from qworker.testing.worker_kit import write_tiny_model_dir
 
     model_dir = write_tiny_model_dir(tmp_path / "tiny")
     config = EngineConfig(

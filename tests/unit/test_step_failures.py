@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from qworker.backends.memory.queue import Journal, MemoryQueue, MemorySource
+from qworker.backends.memory.results import MemoryResultSink
+from qworker.backends.sink import Delta
 from qworker.errors import EngineFailedError, StreamRestartedError
-from qworker.worker.backends.memory.queue import Journal, MemoryQueue, MemorySource
-from qworker.worker.backends.memory.results import MemoryResultSink
-from qworker.worker.backends.sink import Delta
-from qworker.worker.client import Client
-from qworker.worker.fake_engine import FakeEngine
-from qworker.worker.jobs import JobResult, JobStatus
+from qworker.jobs.client import Client
+from qworker.jobs.job import JobResult, JobStatus
+from qworker.testing.fake_engine import FakeEngine
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 

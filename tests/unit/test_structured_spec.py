@@ -114,7 +114,7 @@ def test_the_engine_imports_and_runs_without_llguidance():
         from qworker.engine.llm_engine import LLMEngine
         from qworker.engine.sampling_params import SamplingParams
         from qworker.engine.structured import StructuredOutputError
-        from qworker.testing import tiny_llama_model
+        from qworker.testing.tiny_model import tiny_llama_model
         model = tiny_llama_model()
         config = EngineConfig(model="tiny", dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
         engine = LLMEngine(config, hf_config=model.config, state_dict=model.state_dict(), tokenizer=None)

@@ -8,8 +8,8 @@ import uuid
 import pytest
 from typer.testing import CliRunner
 
-from qworker import cli
-from qworker.worker.testing import redis_base_url
+from qworker import cli, cli_errors
+from qworker.testing.worker_kit import redis_base_url
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def submit(queue_url: str, *args: str):
 )
 def test_an_invalid_job_is_one_line_and_exit_2(queue_url, args, message):
     result = submit(queue_url, *args)
-    assert result.exit_code == cli.EXIT_USAGE, result.output
+    assert result.exit_code == cli_errors.EXIT_USAGE, result.output
     assert result.stderr.strip() == f"qworker: error: invalid job: {message}"
     assert "Traceback" not in result.output
 
@@ -41,7 +41,7 @@ def test_an_invalid_job_is_one_line_and_exit_2(queue_url, args, message):
 @pytest.mark.parametrize("stream", [False, True])
 def test_no_result_within_the_timeout_is_one_line_and_exit_6(queue_url, stream):
     result = submit(queue_url, "--timeout", "0.3", *(["--stream"] if stream else []), "hi")
-    assert result.exit_code == cli.EXIT_WAIT_TIMEOUT, result.output
+    assert result.exit_code == cli_errors.EXIT_WAIT_TIMEOUT, result.output
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("qworker: error: ") and "0.3" in last, result.stderr
     assert "Traceback" not in result.output

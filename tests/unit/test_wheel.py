@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from qworker.worker.testing import write_tiny_model_dir
+from qworker.testing.worker_kit import write_tiny_model_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -123,8 +123,8 @@ def test_the_installed_package_generates_offline(installed, tmp_path):
 def test_the_installed_worker_serves_one_job_from_a_queue(installed, tmp_path):
     """The CPU image's install path end to end: the wheel's `qworker worker` takes a job from a
     Redis stream, stores its result, and exits (--burst)."""
-    from qworker.worker.client import Client
-    from qworker.worker.testing import cleanup, redis_base_url, unique_url
+    from qworker.jobs.client import Client
+    from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
     model_dir = write_tiny_model_dir(tmp_path / "tiny-llama")
     url = unique_url(redis_base_url(), "wheel")

@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
+from qworker.backends.memory.queue import Journal, MemoryQueue, MemorySource
+from qworker.backends.memory.results import MemoryResultSink
+from qworker.backends.source import Lease
 from qworker.config import EngineConfig
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.jobs.job import Job, JobResult, JobStatus
+from qworker.testing.fake_engine import FakeEngine
 from qworker.worker import intake
-from qworker.worker.backends.memory.queue import Journal, MemoryQueue, MemorySource
-from qworker.worker.backends.memory.results import MemoryResultSink
-from qworker.worker.backends.source import Lease
-from qworker.worker.fake_engine import FakeEngine
 from qworker.worker.held import HeldJob, HeldJobs, leases_of
-from qworker.worker.jobs import Job, JobResult, JobStatus
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from qworker.worker.stats import RESULT_COUNTERS, WorkerStats

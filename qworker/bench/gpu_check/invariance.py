@@ -32,7 +32,7 @@ from qworker.bench.gpu_check.sizes import Sizes
 ROW_COUNTS = (1, 7, 64, 256)
 # SmolLM2-135M's widest projections (gate/up, down) and its LM head.
 SHAPES = ((3072, 576), (576, 1536), (49152, 576))
-# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M-Instruct's config.json), over qworker.testing.TINY_LLAMA.
+# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M-Instruct's config.json), over tiny_model.TINY_LLAMA.
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
     hidden_size=576,

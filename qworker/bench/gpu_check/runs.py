@@ -12,13 +12,13 @@ from qworker.bench.run import RunLimits, RunResult
 from qworker.bench.run_loop import run_system
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest, generate_requests, parse_workload
-from qworker.testing import tiny_llama_model
+from qworker.testing.tiny_model import tiny_llama_model
 
 PERCENTILES = (99.0,)
 
 
 def build_hf_model(shape: dict[str, Any], dtype: Any, device: Any, widen: float | None = None) -> Any:
-    """A random Llama of `shape` (over qworker.testing.TINY_LLAMA), initialised on the device
+    """A random Llama of `shape` (over qworker.testing.tiny_model.TINY_LLAMA), initialised on the device
     (fast for 1B parameters). `widen`: near-uniform random logits make greedy picks near-ties."""
     return tiny_llama_model(seed=0, widen=widen, dtype=dtype, device=device, **shape)
 

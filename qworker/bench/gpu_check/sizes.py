@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qworker.testing import TINY_LLAMA
+from qworker.testing.tiny_model import TINY_LLAMA
 
 # Llama-3.2-1B's shape. Plain RoPE with its theta: llama3 rope scaling changes the tables, not
 # the cost, and its config keys differ across transformers versions.

@@ -1,1 +1,2 @@
-"""One router per concern; app.py mounts DEFAULT_ROUTERS (issue 23's Files, Batches and jobs add theirs)."""
+"""One router per concern: generation (chat, completions), models, vLLM's tokenizer routes and the
+probes. app.py mounts them with the Files, Batches and async-jobs routers of `gateway.async_api`."""

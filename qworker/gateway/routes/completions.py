@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from qworker.batch.rows import Endpoint
 from qworker.gateway.generation import serve_generation
-from qworker.gateway.schemas import CompletionRequest
+from qworker.openai.request_models import CompletionRequest
+from qworker.openai.rows import Endpoint
 
 router = APIRouter(tags=["openai"])
 

@@ -7,15 +7,15 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from qworker.batch.format import RowError
-from qworker.batch.rows import parse_messages
 from qworker.gateway.errors import GatewayError
-from qworker.gateway.schemas import DetokenizeRequest, TokenizeRequest
 from qworker.gateway.state import check_model, gateway_state
 from qworker.gateway.tokenizer import ChatTemplateError
+from qworker.openai.format import RowError
+from qworker.openai.request_models import DetokenizeRequest, TokenizeRequest
+from qworker.openai.rows import parse_messages
 
 router = APIRouter(tags=["tokenizer"])
-# A prompt to tokenize is bounded as a job's is (qworker.worker.jobs.MAX_PROMPT_CHARS).
+# A prompt to tokenize is bounded as a job's is (qworker.jobs.job.MAX_PROMPT_CHARS).
 MAX_TOKENIZE_CHARS = 1_000_000
 
 

@@ -1,0 +1,130 @@
+"""Queue and result backends: one package per backend, one table from URL scheme to backend.
+
+As kombu's TRANSPORT_ALIASES does, BACKENDS maps each URL scheme to the package that serves it;
+the package's `BACKEND` says which parts it provides. Every part is either an opener or a
+`NotSupported` that says why not, so that an error (and the registry test) can tell the two apart:
+
+    open_source(url, consumer, lease_timeout_s) -> JobSource        the worker's side of a queue
+    open_producer(url, payload_location)        -> JobProducer      the client's side of a queue
+    open_sink(url)                              -> ResultSink       results, deltas, job notes
+    open_backlog(url, sizing, lease_timeout_s)  -> Backlog          queue depth in KV blocks
+    open_dead_letters(url)                      -> DeadLetterQueue  list, show, replay, purge
+
+Adding a backend is one package under qworker/backends/ and one line here. Packages are
+imported when a URL first names their scheme, and they import their client library (redis,
+boto3, kombu) only when they open something.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Literal
+
+from qworker.backends.urls import InvalidURLError, redact_url, schemes_text, url_scheme
+
+if TYPE_CHECKING:
+    from qworker.backends.backlog import Backlog
+    from qworker.backends.dead_letters import DeadLetterQueue
+    from qworker.backends.sink import ResultSink
+    from qworker.backends.source import JobProducer, JobSource
+    from qworker.pool.demand import PoolSizing
+
+# URL scheme -> the package that serves it.
+BACKENDS: dict[str, str] = {
+    "redis": "qworker.backends.redis",
+    "rediss": "qworker.backends.redis",
+    "unix": "qworker.backends.redis",
+    "redis+cluster": "qworker.backends.redis",
+    "rediss+cluster": "qworker.backends.redis",
+    "redis+sentinel": "qworker.backends.redis",
+    "sqs": "qworker.backends.sqs",
+    "s3": "qworker.backends.s3",
+    "celery+redis": "qworker.backends.celery",
+    "celery+rediss": "qworker.backends.celery",
+    "celery+amqp": "qworker.backends.celery_amqp",
+    "celery+amqps": "qworker.backends.celery_amqp",
+    "memory": "qworker.backends.memory",
+}
+
+
+@dataclass(frozen=True)
+class NotSupported:
+    """A part a backend does not provide, and why (shown to whoever asks for it)."""
+
+    reason: str
+
+
+SourceOpener = Callable[[str, str, "float | None"], "JobSource"]
+ProducerOpener = Callable[[str, "str | None"], "JobProducer"]
+SinkOpener = Callable[[str], "ResultSink"]
+BacklogOpener = Callable[[str, "PoolSizing", "float | None"], "Backlog"]
+DeadLettersOpener = Callable[[str], "DeadLetterQueue"]
+
+Part = Literal["open_source", "open_producer", "open_sink", "open_backlog", "open_dead_letters"]
+# The role each part plays, in error messages.
+PART_ROLES: dict[Part, str] = {
+    "open_source": "queue",
+    "open_producer": "queue",
+    "open_sink": "results",
+    "open_backlog": "backlog",
+    "open_dead_letters": "dead-letter queue",
+}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one backend package provides."""
+
+    name: str
+    open_source: SourceOpener | NotSupported
+    open_producer: ProducerOpener | NotSupported
+    open_sink: SinkOpener | NotSupported
+    open_backlog: BacklogOpener | NotSupported
+    open_dead_letters: DeadLettersOpener | NotSupported
+
+    def provides(self, part: Part) -> bool:
+        return not isinstance(getattr(self, part), NotSupported)
+
+
+def backend_parts() -> tuple[Part, ...]:
+    parts = tuple(f.name for f in fields(Backend) if f.name != "name")
+    assert set(parts) == set(PART_ROLES), "every Backend part has a role"
+    return parts  # type: ignore[return-value]
+
+
+def load_backend(scheme: str) -> Backend:
+    """The backend of a scheme in BACKENDS (imported on first use)."""
+    backend = importlib.import_module(BACKENDS[scheme]).BACKEND
+    assert isinstance(backend, Backend), f"{BACKENDS[scheme]}.BACKEND is a Backend"
+    return backend
+
+
+def schemes_providing(part: Part) -> tuple[str, ...]:
+    """The schemes whose backend provides `part`, in table order (for help and error text)."""
+    return tuple(scheme for scheme in BACKENDS if load_backend(scheme).provides(part))
+
+
+def backend_for(url: str, part: Part) -> Backend:
+    """The backend of `url`, checked to provide `part`; else an InvalidURLError that names the
+    schemes that do (an unknown scheme and a known one without the part say different things)."""
+    role = PART_ROLES[part]
+    scheme = url_scheme(url)
+    if not scheme:
+        raise InvalidURLError(
+            f"{role} URL {redact_url(url)!r} has no scheme; use {schemes_text(schemes_providing(part))}"
+        )
+    if scheme not in BACKENDS:
+        raise InvalidURLError(
+            f"unsupported {role} URL scheme {scheme!r} in {redact_url(url)!r}; "
+            f"use {schemes_text(schemes_providing(part))}"
+        )
+    backend = load_backend(scheme)
+    opener = getattr(backend, part)
+    if isinstance(opener, NotSupported):
+        raise InvalidURLError(
+            f"a {scheme}:// URL cannot serve as the {role}: {opener.reason}; "
+            f"use {schemes_text(schemes_providing(part))}"
+        )
+    return backend
