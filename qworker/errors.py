@@ -74,3 +74,7 @@ class ConnectError(QworkerError):
 class ModelDownloadError(QworkerError):
     """A remote model that cannot be used as it is stored: an object whose size or checksum does
     not match what the store reports, a truncated checkpoint, no config.json under the prefix."""
+
+
+class MissingDependencyError(QworkerError):
+    """A feature was asked for whose library is not installed; the message names the extra."""

@@ -18,11 +18,13 @@ boto3, kombu) only when they open something.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
 from qworker.backends.urls import InvalidURLError, redact_url, schemes_text, url_scheme
+from qworker.errors import MissingDependencyError
 
 if TYPE_CHECKING:
     from qworker.backends.backlog import Backlog
@@ -74,8 +76,20 @@ PART_ROLES: dict[Part, str] = {
 
 
 @dataclass(frozen=True)
+class Requirement:
+    """A client library a backend imports when it opens something, and the extra that installs it
+    (the base install carries redis and pydantic only)."""
+
+    module: str
+    extra: str
+
+    def is_installed(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+
+@dataclass(frozen=True)
 class Backend:
-    """What one backend package provides."""
+    """What one backend package provides, and the libraries beyond the base install it needs."""
 
     name: str
     open_source: SourceOpener | NotSupported
@@ -83,13 +97,18 @@ class Backend:
     open_sink: SinkOpener | NotSupported
     open_backlog: BacklogOpener | NotSupported
     open_dead_letters: DeadLettersOpener | NotSupported
+    requires: tuple[Requirement, ...] = ()
 
     def provides(self, part: Part) -> bool:
         return not isinstance(getattr(self, part), NotSupported)
 
+    def missing_requirement(self) -> Requirement | None:
+        """The first library this backend needs that is not installed (None: all are)."""
+        return next((r for r in self.requires if not r.is_installed()), None)
+
 
 def backend_parts() -> tuple[Part, ...]:
-    parts = tuple(f.name for f in fields(Backend) if f.name != "name")
+    parts = tuple(f.name for f in fields(Backend) if f.name not in ("name", "requires"))
     assert set(parts) == set(PART_ROLES), "every Backend part has a role"
     return parts  # type: ignore[return-value]
 
@@ -126,5 +145,10 @@ def backend_for(url: str, part: Part) -> Backend:
         raise InvalidURLError(
             f"a {scheme}:// URL cannot serve as the {role}: {opener.reason}; "
             f"use {schemes_text(schemes_providing(part))}"
+        )
+    missing = backend.missing_requirement()
+    if missing is not None:
+        raise MissingDependencyError(
+            f"a {scheme}:// {role} needs the {missing.module} package: pip install 'qworker[{missing.extra}]'"
         )
     return backend

@@ -8,10 +8,12 @@ Credentials come from boto3's standard chain (environment, profile, instance rol
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 from urllib.parse import urlsplit
 
 from qworker.backends.urls import InvalidURLError, query_params, redact_url, reject_unknown_params, url_number
+from qworker.errors import MissingDependencyError
 
 AWS_PARAMS = {
     "region",
@@ -45,9 +47,16 @@ def aws_parts(url: str) -> tuple[str, str, dict[str, str]]:
     return parts.netloc, parts.path, query
 
 
+def require_boto3(what: str) -> None:
+    """Raise MissingDependencyError, naming the extra, when boto3 is not installed."""
+    if importlib.util.find_spec("boto3") is None:
+        raise MissingDependencyError(f"{what} needs the boto3 package: pip install 'qworker[aws]'")
+
+
 def aws_client(service: str, params: dict[str, str]) -> Any:  # a boto3 client
     """A boto3 client. Credentials come from boto3's standard chain (environment, profile, instance
     role); the region, endpoint and retry policy (retry_mode, max_attempts) come from the URL."""
+    require_boto3(f"an {service} URL")
     import boto3
     from botocore.config import Config
 

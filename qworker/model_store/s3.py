@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from qworker.errors import ConnectError, ModelDownloadError, UnknownModelError
+from qworker.errors import ConnectError, MissingDependencyError, ModelDownloadError, UnknownModelError
 from qworker.model_store.verify import ETagHasher, check_safetensors_length, etag_part_count, is_md5_etag
 
 logger = logging.getLogger(__name__)
@@ -208,7 +208,12 @@ class _Download:
         self.client: Any = None
 
     def run(self) -> None:
-        import boto3
+        try:
+            import boto3
+        except ImportError:
+            raise MissingDependencyError(
+                "an s3:// model needs the boto3 package: pip install 'qworker[aws]'"
+            ) from None
         from botocore.config import Config
 
         self.client = boto3.session.Session().client(

@@ -5,7 +5,7 @@ layout: keys.py; URLs: url.py."""
 
 from __future__ import annotations
 
-from qworker.backends import Backend
+from qworker.backends import Backend, Requirement
 from qworker.backends.celery.backlog import open_backlog
 from qworker.backends.celery.dead_letters import open_dead_letters
 from qworker.backends.celery.producer import open_producer
@@ -19,4 +19,5 @@ BACKEND = Backend(
     open_sink=open_sink,
     open_backlog=open_backlog,
     open_dead_letters=open_dead_letters,
+    requires=(Requirement("kombu", "celery"),),
 )

@@ -6,7 +6,7 @@ result backend (`--results celery+redis://...`, ../celery/results.py): AMQP stor
 
 from __future__ import annotations
 
-from qworker.backends import Backend, NotSupported
+from qworker.backends import Backend, NotSupported, Requirement
 from qworker.backends.celery_amqp.backlog import open_backlog
 from qworker.backends.celery_amqp.dead_letters import open_dead_letters
 from qworker.backends.celery_amqp.producer import open_producer
@@ -22,4 +22,5 @@ BACKEND = Backend(
     ),
     open_backlog=open_backlog,
     open_dead_letters=open_dead_letters,
+    requires=(Requirement("amqp", "celery"),),
 )

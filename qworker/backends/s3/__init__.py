@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qworker.backends import Backend, NotSupported
+from qworker.backends import Backend, NotSupported, Requirement
 from qworker.backends.s3.results import open_sink
 
 _NOT_A_QUEUE = NotSupported("S3 stores results, it is not a job queue (use sqs:// for an AWS queue)")
@@ -14,4 +14,5 @@ BACKEND = Backend(
     open_sink=open_sink,
     open_backlog=_NOT_A_QUEUE,
     open_dead_letters=_NOT_A_QUEUE,
+    requires=(Requirement("boto3", "aws"),),
 )

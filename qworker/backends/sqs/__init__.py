@@ -4,7 +4,7 @@ Message layout and queue names: layout.py. SQS holds no results: pair it with s3
 
 from __future__ import annotations
 
-from qworker.backends import Backend, NotSupported
+from qworker.backends import Backend, NotSupported, Requirement
 from qworker.backends.sqs.backlog import open_backlog
 from qworker.backends.sqs.dead_letters import open_dead_letters
 from qworker.backends.sqs.producer import open_producer
@@ -17,4 +17,5 @@ BACKEND = Backend(
     open_sink=NotSupported("SQS is a queue, it cannot store results"),
     open_backlog=open_backlog,
     open_dead_letters=open_dead_letters,
+    requires=(Requirement("boto3", "aws"),),
 )
