@@ -27,9 +27,10 @@ from qworker.health import HealthState
 from qworker.jobs.job import JobError, JobStatus
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats
 from qworker.worker.broker_calls import BrokerCalls
+from qworker.worker.drain import Drain
 from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.finish import Finisher
-from qworker.worker.held import HeldJob, HeldJobs, leases_of
+from qworker.worker.held import HeldJobs, leases_of
 from qworker.worker.lease_keeper import StepLeaseKeeper
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox
@@ -106,7 +107,7 @@ class Worker:
         # Leased messages not yet taken (the broker went away while taking them).
         self._intake: list[Lease] = []
         self._stop = threading.Event()
-        self._drain_deadline: float | None = None
+        self.drain = Drain(self.name, self.settings.drain_grace_s)
         # Seconds per engine step, smoothed: estimates whether a job can finish during a drain.
         self._step_seconds = 0.05
         extend_every = self.settings.lease_extend_interval_s or source.lease_timeout_s / 3
@@ -169,9 +170,10 @@ class Worker:
             while True:
                 self.health.tick()
                 self.outage.check_limit()
-                if self._stop.is_set() and self._drain_deadline is None:
-                    self._begin_drain()
-                if self._drain_deadline is not None:
+                if self._stop.is_set() and not self.drain.is_draining:
+                    self.drain.begin(len(self.held))
+                    self.health.set_draining()
+                if self.drain.is_draining:
                     self._drain_tick()
                     if not self.held and not self.outbox.has_finals:
                         break
@@ -356,18 +358,7 @@ class Worker:
         self.stats.num_broker_outages = self.outage.num_outages
         self.stats.num_deltas_dropped = self.outbox.num_deltas_dropped
         self.broker.make("writing worker stats", lambda: self.sink.write_worker_stats(self.name, self.stats))
-        # As the worker sees them: a job runs once it produced a token, and waits in the engine
-        # before that (queued or still prefilling).
-        num_waiting = admission.num_jobs_not_started
-        kv = self.engine.kv_stats()
-        self.metrics.set_engine_gauges(
-            kv,
-            num_running=admission.num_jobs_held - num_waiting,
-            num_waiting=num_waiting,
-            num_held=admission.num_jobs_held,
-            headroom_blocks=admission.num_headroom_blocks,
-            num_cached_blocks=kv.num_cached_blocks,
-        )
+        self.metrics.set_admission_gauges(self.engine.kv_stats(), admission)
 
     # -- broker outages ----------------------------------------------------------------------
 
@@ -394,24 +385,9 @@ class Worker:
 
     # -- drain -------------------------------------------------------------------------------
 
-    def _begin_drain(self) -> None:
-        self._drain_deadline = time.monotonic() + self.settings.drain_grace_s
-        self.health.set_draining()
-        grace_s = self.settings.drain_grace_s
-        logger.info("worker %s draining: %d jobs held, grace %.1fs", self.name, len(self.held), grace_s)
-
     def _drain_tick(self) -> None:
         """Release every held job that cannot finish before the grace period ends."""
-        assert self._drain_deadline is not None
-        # Keep a margin for releasing and exiting.
-        time_left = self._drain_deadline - time.monotonic() - max(0.5, 3 * self._step_seconds)
-        to_release = [h for h in self.held if not self._can_finish(h, time_left)]
+        to_release = self.drain.jobs_to_release(self.held, self._step_seconds)
         if to_release:
             note = f"attempt released by worker {self.name} during a drain (SIGTERM)"
             self.finish.release([self.held.drop(h.job.id) for h in to_release], note)
-
-    def _can_finish(self, held: HeldJob, time_left: float) -> bool:
-        if held.num_output_tokens == 0:
-            return False  # not started: a peer can start it as soon as we could
-        steps_left = held.job.params.max_tokens - held.num_output_tokens
-        return steps_left * self._step_seconds <= time_left

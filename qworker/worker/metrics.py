@@ -19,6 +19,7 @@ from qworker.startup import HardwareInfo, StartupTimings
 
 if TYPE_CHECKING:
     from qworker.engine.block_pool import KVCacheStats
+    from qworker.worker.admission import AdmissionStats
 
 # Seconds. LLM jobs on these machines take from tens of milliseconds (a short decode on a GPU) to
 # many minutes (a long generation on 2 CPU cores behind a backlog).
@@ -218,6 +219,19 @@ class WorkerMetrics:
         self.kv_cached_blocks.set(num_cached_blocks)
         self.kv_usage.set(kv.usage)
         self.headroom_blocks.set(headroom_blocks)
+
+    def set_admission_gauges(self, kv: KVCacheStats, admission: AdmissionStats) -> None:
+        """The gauges as the worker sees its jobs: one runs once it produced a token, and waits in
+        the engine before that (queued or still prefilling)."""
+        num_waiting = admission.num_jobs_not_started
+        self.set_engine_gauges(
+            kv,
+            num_running=admission.num_jobs_held - num_waiting,
+            num_waiting=num_waiting,
+            num_held=admission.num_jobs_held,
+            headroom_blocks=admission.num_headroom_blocks,
+            num_cached_blocks=kv.num_cached_blocks,
+        )
 
     def observe_result(self, result: JobResult) -> None:
         """One stored result: its status and its latencies (each one the job reached). Its tokens

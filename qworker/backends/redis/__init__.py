@@ -1,7 +1,9 @@
 """Redis: a job queue on a Redis Stream with a priority lane (streams.py, producer.py), a result
 store (results.py), the backlog reader (backlog.py), the dead-letter stream (dead_letters.py) and
 the workers' stats reports (reports.py). One redis:// URL may serve as queue and results at once.
-Key layout: keys.py; URLs and clients: connection.py."""
+Key layout: keys.py; a queue URL's streams and group: queue_streams.py; URLs and clients: connection.py;
+the embedded server (embedded.py), a private redis-server (server.py) and the replica, sentinel and
+cluster topologies tests and benchmarks start (topologies.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Any
 from qworker.backends.backlog import DEFAULT_SAMPLE_LIMIT, Backlog, QueueWork
 from qworker.backends.redis import keys
 from qworker.backends.redis.connection import parse_redis_url, redis_client
-from qworker.backends.redis.streams import queue_streams
+from qworker.backends.redis.queue_streams import queue_streams
 from qworker.backends.urls import url_number
 from qworker.pool.demand import PoolSizing, Work, body_blocks, extrapolate
 from qworker.utils import as_text

@@ -21,7 +21,7 @@ from qworker.backends.redis.connection import (
     parse_redis_url,
     redis_client,
 )
-from qworker.backends.redis.streams import queue_streams
+from qworker.backends.redis.queue_streams import queue_streams
 from qworker.backends.sink import ResultSink
 from qworker.utils import as_text
 

@@ -13,7 +13,7 @@ from qworker.backends.redis.connection import (
     parse_redis_url,
     redis_client,
 )
-from qworker.backends.redis.streams import ensure_group, queue_streams
+from qworker.backends.redis.queue_streams import ensure_group, queue_streams
 from qworker.backends.source import JobProducer, OutgoingJob
 from qworker.backends.urls import url_integer
 from qworker.utils import as_text

@@ -27,12 +27,12 @@ from qworker.backends.redis.connection import (
     NO_WAIT,
     Durability,
     durability,
-    key_layout,
     parse_redis_url,
     worker_client,
 )
+from qworker.backends.redis.queue_streams import ensure_group, is_no_group, queue_streams
 from qworker.backends.source import JobSource, Lease
-from qworker.backends.urls import InvalidURLError, ParsedURL, redact_url, url_number
+from qworker.backends.urls import url_number
 from qworker.jobs.job import job_id_problem
 from qworker.utils import as_text
 
@@ -161,7 +161,7 @@ class RedisStreamSource(JobSource):
                 self.group, self.consumer, dict.fromkeys(self.lanes, ">"), count=1, block=int(block_s * 1000)
             )
         except Exception as exc:
-            if not _is_no_group(exc):
+            if not is_no_group(exc):
                 raise
             self._ensure_groups()
             return []
@@ -200,7 +200,7 @@ class RedisStreamSource(JobSource):
                 lane, self.group, self.consumer, min_idle_ms, start_id=cursor, count=count
             )
         except Exception as exc:
-            if not _is_no_group(exc):
+            if not is_no_group(exc):
                 raise
             self._ensure_groups()
             self._reclaim_cursors = dict.fromkeys(self.lanes, "0-0")
@@ -268,7 +268,7 @@ class RedisStreamSource(JobSource):
             try:
                 lost_ids = self._claim_owned(keys=[lane], args=[self.group, self.consumer, 0, *held])
             except Exception as exc:
-                if not _is_no_group(exc):
+                if not is_no_group(exc):
                     raise
                 # The stream is gone (a restart without persistence): so is every lease on it.
                 self._ensure_groups()
@@ -287,7 +287,7 @@ class RedisStreamSource(JobSource):
         try:
             pipe.execute()
         except Exception as exc:
-            if not _is_no_group(exc):
+            if not is_no_group(exc):
                 raise  # with no group, the entry is gone: nothing left to ack
 
     def release(self, leases: list[Lease]) -> None:
@@ -295,7 +295,7 @@ class RedisStreamSource(JobSource):
             try:
                 self._claim_owned(keys=[lane], args=[self.group, self.consumer, RELEASED_IDLE_MS, *held])
             except Exception as exc:
-                if not _is_no_group(exc):
+                if not is_no_group(exc):
                     raise
 
     def dead_letter(self, lease: Lease, reason: str) -> None:
@@ -334,56 +334,10 @@ class RedisStreamSource(JobSource):
         self.redis.close()
 
 
-def _is_no_group(exc: Exception) -> bool:
-    """The stream or its consumer group does not exist (Redis restarted without persistence)."""
-    import redis as redis_lib
-
-    return isinstance(exc, redis_lib.ResponseError) and "NOGROUP" in str(exc)
-
-
-def ensure_group(redis: Any, stream: str, group: str) -> None:
-    """Create the stream and its consumer group if missing (from the start of the stream)."""
-    import redis as redis_lib
-
-    try:
-        redis.xgroup_create(stream, group, id="0", mkstream=True)
-    except redis_lib.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
 def _field(fields: dict[Any, Any], name: str) -> Any:
     """A field of an entry by name: redis-py gives bytes names (str with decode_responses)."""
     value = fields.get(name.encode())
     return value if value is not None else fields.get(name)
-
-
-def queue_streams(url: str, parsed: ParsedURL, redis: Any) -> tuple[str, str]:
-    """(stream key, dead-letter stream key) of a queue URL, in the URL's key layout. On a
-    cluster the stream's name becomes its hash tag, and an InvalidURLError of one line says so
-    when the server still holds the single-server layout's stream, or when a dead_letter stream
-    the URL names would sit in another slot."""
-    name = parsed.params.get("stream", keys.DEFAULT_STREAM)
-    stream = key_layout(url).stream(name)
-    dead = parsed.params.get("dead_letter", keys.dead_letter_stream(stream))
-    if stream == name:
-        return stream, dead
-    from redis.crc import key_slot
-
-    old = [key for key in (name, keys.high_lane_stream(name)) if redis.exists(key)]
-    if old:
-        raise InvalidURLError(
-            f"the cluster at {redact_url(url)!r} holds {old[0]!r}, a stream of the single-server key layout; "
-            f"on a cluster the queue's keys are {stream!r}, {keys.high_lane_stream(stream)!r} and "
-            f"{keys.dead_letter_stream(stream)!r}: drain it with a worker on the old layout first, or "
-            f"move its entries to {stream!r} (XRANGE + XADD) and delete it (docs/WORKER.md)"
-        )
-    if key_slot(dead.encode()) != key_slot(stream.encode()):
-        raise InvalidURLError(
-            f"dead_letter={dead!r} sits in another cluster slot than the stream {stream!r}; "
-            f"give it the stream's hash tag, e.g. dead_letter={stream}:dead"
-        )
-    return stream, dead
 
 
 def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> RedisStreamSource:
