@@ -12,19 +12,21 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from qworker.bench.metrics import DEFAULT_PERCENTILES, parse_slo
-from qworker.bench.registry import BenchSettings, SystemSpec, build_system, parse_systems
-from qworker.bench.run import RunLimits
-from qworker.bench.run_loop import warm_up
-from qworker.bench.sweep import RequestSet, parse_rates, run_sweep
-from qworker.bench.system import System
-from qworker.bench.workload import load_workload, packaged_workloads, requests_for_model
+from qworker.bench.records import DEFAULT_PERCENTILES
+from qworker.bench.workloads import packaged_workloads
 from qworker.cli_options import engine_options
 from qworker.config import EngineConfig
+
+if TYPE_CHECKING:
+    # The run's own modules import numpy: `bench` imports them when it runs, so that the other
+    # commands (and `qworker --help`) start on an install without the engine's libraries.
+    from qworker.bench.registry import BenchSettings, SystemSpec
+    from qworker.bench.sweep import RequestSet
+    from qworker.bench.system import System
 
 MODES = ("engine", "queue", "http")
 # Engine options that every system takes (the baselines too); the others tune qworker systems only.
@@ -115,6 +117,8 @@ def _build_systems(
     queue_url: str | None,
     spawn_worker: bool,
 ) -> tuple[list[System], list[str]]:
+    from qworker.bench.registry import build_system
+
     systems: list[System] = []
     notes: list[str] = []
     queue_systems: dict[str, Any] = {}
@@ -240,7 +244,13 @@ def bench(
 
     The engine options apply to every qworker system (a system's own `qworker:key=value` wins);
     --model, --dtype and --device apply to every system."""
+    from qworker.bench.metrics import parse_slo
+    from qworker.bench.registry import BenchSettings, parse_systems
     from qworker.bench.report import comparisons, render_report_md, saturation, write_results_json
+    from qworker.bench.run import RunLimits
+    from qworker.bench.run_loop import warm_up
+    from qworker.bench.sweep import RequestSet, parse_rates, run_sweep
+    from qworker.bench.workload import load_workload, requests_for_model
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     modes = [m.strip() for m in mode.split(",") if m.strip()]

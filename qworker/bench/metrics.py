@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from qworker.bench.records import RequestRecord, RequestStatus
+from qworker.bench.records import DEFAULT_PERCENTILES, RequestRecord, RequestStatus
 
-DEFAULT_PERCENTILES: tuple[float, ...] = (90.0, 99.0)
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+# The latency percentiles a report gives unless asked for others (`--percentiles`).
+DEFAULT_PERCENTILES: tuple[float, ...] = (90.0, 99.0)
+
 
 class RequestStatus(str, Enum):
     COMPLETED = "completed"

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from qworker.bench.workloads import packaged_workloads
+
 # Llama-family vocabularies start with control tokens (SmolLM2: ids 0-16); random prompts skip
 # the low ids so they never contain an EOS or chat marker.
 MIN_RANDOM_TOKEN_ID = 32
@@ -273,13 +275,6 @@ def parse_workload(data: dict[str, Any], base_dir: Path | None = None) -> Worklo
         ignore_eos=ignore_eos,
         seed=seed,
     )
-
-
-def packaged_workloads() -> list[str]:
-    """The names of the workload specs that ship with qworker (`offline-mixed`, ...)."""
-    folder = resources.files("qworker.bench") / PACKAGED_FOLDER
-    names = (entry.name for entry in folder.iterdir())
-    return sorted(name.removesuffix(".json") for name in names if name.endswith(".json"))
 
 
 def load_workload(path_or_name: str | Path) -> WorkloadSpec:

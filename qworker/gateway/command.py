@@ -8,6 +8,7 @@ that a process list shows, unless given as plain --queue (a URL without a passwo
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -15,6 +16,7 @@ from typing import Annotated
 import typer
 
 from qworker.cli_options import config_options
+from qworker.errors import MissingDependencyError
 from qworker.gateway.settings import GatewaySettings
 
 QUEUE_URL_ENV = "QWORKER_QUEUE_URL"
@@ -41,6 +43,19 @@ def _one_of(value: str | None, path: Path | None, option: str) -> str | None:
             f"give {option} (or its environment variable) or {option}-url-file, not both"
         )
     return from_file if from_file is not None else value
+
+
+# What `qworker gateway` imports beyond the base install (the `gateway` extra).
+GATEWAY_LIBRARIES = ("fastapi", "uvicorn", "httpx", "tokenizers", "jinja2")
+
+
+def require_gateway_libraries() -> None:
+    """A MissingDependencyError naming the extra when the gateway's libraries are not installed."""
+    missing = [name for name in GATEWAY_LIBRARIES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingDependencyError(
+            f"the gateway needs {', '.join(missing)}: pip install 'qworker[gateway]'"
+        )
 
 
 @config_options(GatewaySettings, into="settings", panel="Gateway")
@@ -84,6 +99,10 @@ def gateway(
     """Serve OpenAI's /v1/chat/completions, /v1/completions, /v1/models, vLLM's /tokenize and
     /detokenize, /healthz, /readyz and /metrics in front of a pool. Needs no worker to start."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from qworker.cli_errors import connecting, reported_errors
+
+    with reported_errors():
+        require_gateway_libraries()
     import uvicorn
 
     from qworker.gateway.app import create_app
@@ -97,7 +116,6 @@ def gateway(
         keys = load_api_keys(api_key_file)
     except ApiKeyError as exc:
         raise typer.BadParameter(str(exc)) from None
-    from qworker.cli_errors import connecting, reported_errors
 
     # A Redis queue is connected to at once (the producer makes sure its group exists): a store
     # that does not answer is one error line and exit code 3, and the orchestrator restarts us.
