@@ -178,11 +178,17 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
         results_url = run.results or default_results_url(queue_url)
         with connecting("results", results_url):
             sink = open_sink(results_url, run.stream_results)
+    # Results on the queue's own server are named without the queue's parameters (?stream=...).
+    results_text = (
+        redact_url(results_url)
+        if run.results
+        else f"on the queue's server {redact_url(queue_url.split('?')[0])}"
+    )
     logging.getLogger("qworker.cli").info(
         "worker %s: queue %s, results %s%s",
         settings.name,
         redact_url(queue_url),
-        redact_url(results_url),
+        results_text,
         f", stream results {redact_url(run.stream_results)}" if run.stream_results else "",
     )
     engine = load_engine_in_phases(engine_config, timings)

@@ -20,7 +20,7 @@ from qworker.gateway.errors import GatewayError
 
 API_KEYS_ENV = "QWORKER_API_KEYS"
 # Liveness and readiness probes come from the orchestrator, which holds no key.
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 
 
 class ApiKeyError(QworkerError, ValueError):

@@ -73,6 +73,9 @@ def test_the_command_serves_with_keys_from_a_file_and_the_environment(tmp_path):
             assert time.monotonic() - started < 30, "the gateway did not start"
             time.sleep(0.1)
         assert httpx.get(f"{url}/readyz").status_code == 200
+        # vLLM's liveness route, open as the probes are (probes written for vLLM send no key).
+        vllm_health = httpx.get(f"{url}/health")
+        assert (vllm_health.status_code, vllm_health.content) == (200, b"")
         assert httpx.get(f"{url}/v1/models").status_code == 401
         for key in ("sk-from-file", "sk-env-2"):
             models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})

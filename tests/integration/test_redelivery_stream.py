@@ -69,6 +69,9 @@ def test_text_streamed_across_a_rerun_equals_the_result(url, tiny_model_dir, tmp
             assert peer.wait(timeout=60) == 0
     assert (result.status, result.attempts, result.worker) == (JobStatus.COMPLETED, 2, "peer")
     assert len(result.token_ids) == 400
+    # The startup line names the results store (the queue's server) without the queue's ?stream=.
+    startup = next(line for line in (tmp_path / "peer.log").read_text().splitlines() if ": queue " in line)
+    assert "results on the queue's server redis://" in startup and "?" not in startup.split("results")[1]
     assert reader.error is None, repr(reader.error)
     assert reader.text == result.text
     assert reader.text.startswith(seen_before_rerun) and len(seen_before_rerun) < len(result.text)

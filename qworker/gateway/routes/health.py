@@ -1,5 +1,6 @@
 """GET /healthz (liveness: the process serves), /readyz (readiness: the queue and the result store
-answer) and /metrics (Prometheus text), as the worker names them."""
+answer) and /metrics (Prometheus text), as the worker names them; and GET /health, vLLM's liveness
+route (200, empty body), for probes and load balancers written for vLLM."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ router = APIRouter(tags=["operations"])
 @router.get("/healthz", response_class=PlainTextResponse)
 async def healthz() -> str:
     return "ok\n"
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
 
 
 @router.get("/readyz", response_class=PlainTextResponse)
