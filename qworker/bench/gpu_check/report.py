@@ -168,6 +168,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         "",
         f"- device: {env.get('device')}; torch {env.get('torch')}, triton {env.get('triton')}, "
         f"transformers {env.get('transformers')}; mode: {data.get('mode')}",
+        "- versions: the device's own installs (the check installs no torch); the project pins torch "
+        "2.13 for its CPU machines",
         f"- elapsed: {data.get('elapsed_s')} s of a {data.get('budget_s')} s budget",
         "",
     ]
