@@ -11,6 +11,14 @@ decode steps differ slightly (one more token of context each).
 
     .venv/bin/python scripts/profile_step.py --dtype bfloat16
     .venv/bin/python scripts/profile_step.py --torch-profile 20   # also torch.profiler's top ops
+
+`--num-seqs 1,32,256` measures instead the host time outside the model forward per decode step
+(scheduling, input tensors, sampling, detokenizing, bookkeeping): step wall time minus the time in
+the decoder forward and the lm_head, median over `--repeats` steps with that many sequences all
+decoding (greedy, 16-token random prompts). `--model tiny` runs it on a tiny random Llama with the
+SmolLM2 tokenizer, so that the forward is small and the host part dominates.
+
+    .venv/bin/python scripts/profile_step.py --model tiny --num-seqs 1,32,256 --repeats 30
 """
 
 from __future__ import annotations
@@ -137,6 +145,82 @@ def print_table(title: str, ms: dict[str, float]) -> None:
             print(f"  {key:<42} {value:8.1f} ms  {100 * value / total:5.1f}%")
 
 
+def tiny_engine_with_smollm2_tokenizer(config: EngineConfig) -> LLMEngine:
+    """A tiny random Llama (qworker.testing) with SmolLM2's vocabulary and tokenizer."""
+    from qworker.model.loader import load_tokenizer, resolve_model
+    from qworker.testing.tiny_model import tiny_llama_model
+
+    model = tiny_llama_model(seed=0, vocab_size=49152, max_position_embeddings=1024, tie_word_embeddings=True)
+    tokenizer = load_tokenizer(resolve_model("smollm2").path)
+    return LLMEngine(config, hf_config=model.config, state_dict=model.state_dict(), tokenizer=tokenizer)
+
+
+def host_time_per_decode_step(engine: LLMEngine, num_seqs: int, repeats: int) -> dict[str, float]:
+    """Median ms per decode step with `num_seqs` sequences decoding: the whole step, the model
+    forward (decoder and lm_head), and the rest (host time outside the forward)."""
+    from qworker.engine.sampling_params import SamplingParams
+
+    runner = engine.runner
+    forward_s = [0.0]
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                forward_s[0] += time.perf_counter() - start
+
+        return run
+
+    runner._forward = timed(runner._forward)  # type: ignore[method-assign]
+    runner.model.compute_logits = timed(runner.model.compute_logits)  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=repeats + 8, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        prompt = [100 + (i * 7919 + j * 104729) % 48000 for j in range(16)]
+        engine.add_request(f"s{num_seqs}-{i}", {"prompt_token_ids": prompt}, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    engine.step()  # the first all-decode step settles the allocator
+    totals, forwards = [], []
+    for _ in range(repeats):
+        forward_s[0] = 0.0
+        start = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - start)
+        forwards.append(forward_s[0])
+    while engine.has_unfinished_requests():
+        engine.step()
+    del runner._forward, runner.model.compute_logits
+    hosts = [t - f for t, f in zip(totals, forwards, strict=True)]
+    return {
+        "step_ms": statistics.median(totals) * 1000,
+        "forward_ms": statistics.median(forwards) * 1000,
+        "host_ms": statistics.median(hosts) * 1000,
+    }
+
+
+def main_host_time(args: argparse.Namespace) -> None:
+    config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", num_kv_blocks=args.num_kv_blocks)
+    engine = tiny_engine_with_smollm2_tokenizer(config) if args.model == "tiny" else LLMEngine(config)
+    result: dict[str, Any] = {
+        "model": args.model,
+        "dtype": str(engine.dtype),
+        "threads": torch.get_num_threads(),
+    }
+    for num_seqs in (int(n) for n in args.num_seqs.split(",")):
+        result[str(num_seqs)] = figures = host_time_per_decode_step(engine, num_seqs, args.repeats)
+        print(
+            f"{num_seqs:4d} seqs: step {figures['step_ms']:8.2f} ms, "
+            f"forward {figures['forward_ms']:8.2f} ms, "
+            f"host outside the forward {figures['host_ms']:7.2f} ms",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="offline-mixed")
@@ -146,7 +230,13 @@ def main() -> None:
     parser.add_argument("--torch-profile", type=int, default=0, help="also print torch.profiler's top N ops")
     parser.add_argument("--json", default=None, help="write the medians here")
     parser.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant=True")
+    parser.add_argument("--num-seqs", default=None, help="e.g. 1,32,256: host time per decode step instead")
+    parser.add_argument("--model", default="smollm2", help="with --num-seqs: smollm2 or tiny")
+    parser.add_argument("--num-kv-blocks", type=int, default=4096, help="with --num-seqs")
     args = parser.parse_args()
+    if args.num_seqs is not None:
+        main_host_time(args)
+        return
 
     spec = load_workload(args.workload).with_overrides(num_requests=args.num_requests)
     requests = requests_for_model(spec, "smollm2")

@@ -5,19 +5,20 @@ by replaying a decode CUDA graph) and samples the next tokens."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from qworker.config import DTYPE_ALIASES, EngineConfig
 from qworker.engine.cuda_graphs import DecodeCudaGraphs
-from qworker.engine.request import Request
-from qworker.engine.sampler import PositionLogprobs, Sampler, SamplingRow, TokenBitmask, compute_logprobs
-from qworker.engine.scheduler import ScheduledRequest, SchedulerOutput
+from qworker.engine.input_batch import CachedRequestState, InputBatch
+from qworker.engine.runner_output import RunnerOutput
+from qworker.engine.sampler import Sampler, SamplingRow, TokenBitmask, compute_logprobs
+from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.scheduler_output import GrammarRows, ScheduledRequest, SchedulerOutput
 from qworker.engine.step_inputs import StepInputs
-from qworker.engine.structured.state import fill_masks
 from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderForCausalLM
@@ -65,29 +66,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return getattr(torch, DTYPE_ALIASES[dtype])
 
 
-@dataclass
-class RunnerOutput:
-    """What one step produced: the sampled token of each request whose chunk reached its end,
-    the logprobs of those tokens for requests asking them, and new prompt logprobs in order of
-    position for requests asking them."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-
-
 def _recompute_past_longrope_switch(
-    item: ScheduledRequest, request: Request, original_len: int
+    item: ScheduledRequest, state: CachedRequestState, original_len: int
 ) -> ScheduledRequest:
     """A sequence whose prompt fit the original context computed its KV with longrope's short
     factors; the step that takes it past that context recomputes all of it with the long ones
     (from position 0, in the blocks it holds), as transformers drops its cache there."""
-    if (
-        request.num_prompt_tokens <= original_len < request.num_tokens
-        and 0 < item.start_position <= original_len
-    ):
+    if state.num_prompt_tokens <= original_len < item.num_tokens and 0 < item.start_position <= original_len:
+        assert state.token_ids is not None, f"request {item.request_id}: the runner keeps no token ids"
         end = item.start_position + len(item.token_ids)
-        return replace(item, token_ids=request.token_ids[:end], start_position=0)
+        return replace(item, token_ids=state.token_ids[:end], start_position=0)
     return item
 
 
@@ -154,6 +142,11 @@ class ModelRunner:
         # Per layer (k_cache, v_cache), each [blocks + 1, block_size, kv_heads, head_dim].
         self.kv_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(model_config.num_layers)]
 
+        self.input_batch = InputBatch(
+            config.max_num_seqs,
+            cdiv(max_model_len, self.block_size),
+            keep_token_ids=self.model.config.longrope_original_len is not None,
+        )
         self.sampler = Sampler(tuple(sorted(eos_token_ids)), seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._decode_graphs: DecodeCudaGraphs | None = None
@@ -227,36 +220,56 @@ class ModelRunner:
     ) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
-    def prepare_inputs(
-        self, plan: SchedulerOutput, requests: Mapping[str, Request] | None = None
-    ) -> StepInputs:
-        scheduled = plan.scheduled
+    def update_batch(self, plan: SchedulerOutput) -> None:
+        """Drop the rows of requests that left or were preempted, and add the plan's new ones."""
+        for request_id in plan.finished_request_ids:
+            self.input_batch.remove(request_id)
+            self._generators.pop(request_id, None)
+        for request_id in plan.preempted_request_ids:
+            # Its generator stays: a seeded request resumes its random stream where it was.
+            self.input_batch.remove(request_id)
+        for new in plan.new_requests:
+            self.input_batch.add(new)
+
+    def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
+        """The step's tensors, from the plan and the rows of the input batch (`update_batch` has
+        taken the plan)."""
+        batch = self.input_batch
+        pairs = [(item, batch.update(item)) for item in plan.scheduled]
         original_len = self.model.config.longrope_original_len
-        if original_len is not None and requests is not None:
-            scheduled = [
-                _recompute_past_longrope_switch(i, requests[i.request_id], original_len) for i in scheduled
+        if original_len is not None:
+            pairs = [
+                (_recompute_past_longrope_switch(item, state, original_len), state) for item, state in pairs
             ]
         # Decodes (one query token) first: the attention backend runs them as one batch.
-        items = sorted(scheduled, key=lambda item: len(item.token_ids) != 1)
+        pairs.sort(key=lambda pair: len(pair[0].token_ids) != 1)
+        items = [item for item, _ in pairs]
+        states = [state for _, state in pairs]
+        num_seqs = len(items)
         num_decode_seqs = sum(1 for item in items if len(item.token_ids) == 1)
-        query_lens = np.fromiter((len(item.token_ids) for item in items), dtype=np.int64, count=len(items))
-        starts = np.fromiter((item.start_position for item in items), dtype=np.int64, count=len(items))
-        query_start_loc = np.zeros(len(items) + 1, dtype=np.int64)
+        query_lens = np.fromiter((len(item.token_ids) for item in items), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((item.start_position for item in items), dtype=np.int64, count=num_seqs)
+        rows = np.fromiter((state.row for state in states), dtype=np.int64, count=num_seqs)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         seq_lens = starts + query_lens
 
-        input_ids = np.fromiter(
-            (t for item in items for t in item.token_ids), dtype=np.int64, count=num_tokens
-        )
-        # positions: [T] = start of the token's seq + offset within its chunk
-        seq_of_token = np.repeat(np.arange(len(items)), query_lens)
-        positions = np.arange(num_tokens) - query_start_loc[:-1][seq_of_token] + starts[seq_of_token]
+        if num_tokens == num_seqs:
+            input_ids = np.fromiter((item.token_ids[0] for item in items), dtype=np.int64, count=num_tokens)
+            positions = starts
+            seq_of_token = np.arange(num_seqs)
+        else:
+            input_ids = np.fromiter(
+                (t for item in items for t in item.token_ids), dtype=np.int64, count=num_tokens
+            )
+            # positions: [T] = start of the token's seq + offset within its chunk
+            seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+            positions = np.arange(num_tokens) - query_start_loc[:-1][seq_of_token] + starts[seq_of_token]
 
-        max_blocks = max(len(item.block_ids) for item in items)
-        block_tables = np.zeros((len(items), max_blocks), dtype=np.int32)
-        for row, item in enumerate(items):
-            block_tables[row, : len(item.block_ids)] = item.block_ids
+        # [num_seqs, max_blocks]: the rows' tables, gathered; columns past a row's blocks are 0.
+        max_blocks = int(batch.num_blocks[rows].max())
+        block_tables = batch.block_table[rows, :max_blocks]
         slot_mapping = (
             block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
             + positions % self.block_size
@@ -269,24 +282,25 @@ class ModelRunner:
         prompt_indices: list[np.ndarray] = []
         prompt_targets: list[list[int]] = []
         prompt_rows: list[tuple[str, int, int]] = []
-        for row, item in enumerate(items):
-            request = requests.get(item.request_id) if requests is not None else None
-            if request is None or request.sampling_params.prompt_logprobs is None:
+        for row, (item, state) in enumerate(zip(items, states, strict=True)):
+            num_top = state.sampling_params.prompt_logprobs
+            if num_top is None:
                 continue
-            first = max(item.start_position, len(request.prompt_logprobs))
-            last = min(item.start_position + len(item.token_ids), request.num_prompt_tokens - 1)
+            first = max(item.start_position, state.num_scored_prompt_tokens)
+            last = min(item.start_position + len(item.token_ids), state.num_prompt_tokens - 1)
             if first >= last:
                 continue
+            state.num_scored_prompt_tokens = last
             offset = int(query_start_loc[row]) - item.start_position
             prompt_indices.append(np.arange(first + offset, last + offset))
-            prompt_targets.append(request.prompt_token_ids[first + 1 : last + 1])
-            prompt_rows.append((item.request_id, request.sampling_params.prompt_logprobs, last - first))
+            prompt_targets.append(state.prompt_token_ids[first + 1 : last + 1])
+            prompt_rows.append((item.request_id, num_top, last - first))
 
         device = self.device
         # Longrope picks its factors by each request's whole length (see AttentionMetadata).
         request_lens = None
-        if requests is not None and self.model.has_long_rope:
-            lens = [requests[item.request_id].num_tokens for item in items]
+        if self.model.has_long_rope:
+            lens = [item.num_tokens for item in items]
             request_lens = torch.tensor(lens, dtype=torch.int32).to(device)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -320,15 +334,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step: sample the next token of each request whose chunk reached its end, with
-        logprobs for requests asking them (raw: before temperature and any cut)."""
-        for request_id in plan.finished_request_ids:
-            self._generators.pop(request_id, None)
+        logprobs for requests asking them (raw: before temperature and any cut). An empty plan
+        only updates the input batch."""
+        self.update_batch(plan)
         output = RunnerOutput()
         if plan.is_empty:
             return output
-        inputs = self.prepare_inputs(plan, requests)
+        inputs = self.prepare_inputs(plan)
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inputs):
             hidden = graphs.run(inputs)
@@ -345,20 +359,23 @@ class ModelRunner:
         if not inputs.sampled_requests:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        batch_requests = self.input_batch.requests
         rows = []
         for item in inputs.sampled_requests:
-            request = requests[item.request_id]
+            state = batch_requests[item.request_id]
             rows.append(
                 SamplingRow(
-                    params=request.sampling_params,
-                    num_output_tokens=request.num_output_tokens,
-                    generator=self._generator_for(request),
+                    params=state.sampling_params,
+                    # The chunk reaches the last token, so the request has num_tokens now.
+                    num_output_tokens=item.num_tokens - state.num_prompt_tokens,
+                    generator=self._generator_for(item.request_id, state.sampling_params),
                 )
             )
         # Rows asking logprobs: their raw distribution, before the sampler masks logits in place.
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logits = logits[logprob_rows] if logprob_rows else None
-        token_ids = self.sampler.sample(logits, rows, self._token_bitmask(inputs.sampled_requests, requests))
+        token_bitmask = self._token_bitmask(inputs.sampled_requests, plan.grammar_rows)
+        token_ids = self.sampler.sample(logits, rows, token_bitmask)
         output.sampled = {
             item.request_id: token for item, token in zip(inputs.sampled_requests, token_ids, strict=True)
         }
@@ -370,34 +387,30 @@ class ModelRunner:
         return output
 
     def _token_bitmask(
-        self, sampled: list[ScheduledRequest], requests: Mapping[str, Request]
+        self, sampled: list[ScheduledRequest], grammar_rows: GrammarRows | None
     ) -> TokenBitmask | None:
-        """The grammar masks of the constrained rows among `sampled` (None when there are none)."""
-        grammar_rows = [i for i, item in enumerate(sampled) if requests[item.request_id].grammar is not None]
-        if not grammar_rows:
+        """The plan's grammar masks, placed at their rows among `sampled` (None when there are none)."""
+        if grammar_rows is None:
             return None
-        states = []
-        for i in grammar_rows:
-            request = requests[sampled[i].request_id]
-            assert request.grammar is not None
-            assert request.grammar.num_tokens == request.num_output_tokens, (
-                f"request {request.request_id}: matcher at {request.grammar.num_tokens} tokens, "
-                f"request at {request.num_output_tokens}"
-            )
-            states.append(request.grammar)
-        bitmask = torch.from_numpy(fill_masks(states)).to(self.device, non_blocking=True)
-        return TokenBitmask(torch.tensor(grammar_rows, dtype=torch.int64, device=self.device), bitmask)
+        row_of = {item.request_id: i for i, item in enumerate(sampled)}
+        # The sampler takes the rows in increasing order; the plan lists them in its own.
+        row_index = np.array([row_of[request_id] for request_id in grammar_rows.request_ids], dtype=np.int64)
+        order = np.argsort(row_index, kind="stable")
+        bitmask = torch.from_numpy(np.ascontiguousarray(grammar_rows.bitmask[order])).to(
+            self.device, non_blocking=True
+        )
+        return TokenBitmask(torch.from_numpy(row_index[order]).to(self.device), bitmask)
 
-    def _generator_for(self, request: Request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.is_greedy:
+    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        seed = params.seed
+        if seed is None or params.is_greedy:
             return None
-        generator = self._generators.get(request.request_id)
+        generator = self._generators.get(request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)
             # SamplingParams keeps seeds within 64 bits; the mask keeps a seed set on the object
             # afterwards from overflowing the step (torch takes [-2**63, 2**64) and wraps
             # negatives the same way).
             generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-            self._generators[request.request_id] = generator
+            self._generators[request_id] = generator
         return generator

@@ -2,40 +2,22 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from qworker.config import SchedulingPolicy
 from qworker.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from qworker.engine.request import Request, RequestStatus
+from qworker.engine.runner_output import RunnerOutput
+from qworker.engine.scheduler_output import (
+    GrammarRows,
+    NewRequestData,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from qworker.engine.structured.state import consume, fill_masks
 
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step: compute KV for `token_ids` at positions from `start_position`."""
-
-    request_id: str
-    token_ids: list[int]
-    start_position: int
-    block_ids: list[int]
-    # True when this chunk reaches the last known token, so the step samples the next one.
-    needs_sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan for one step. Plain data: the runner turns it into tensors."""
-
-    scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # Requests that left since the previous plan; the runner drops their per-request state.
-    finished_request_ids: list[str] = field(default_factory=list)
-    # Requests finished by the scheduler itself: alone in the cache, they could not grow.
-    capacity_finished_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -51,6 +33,12 @@ class Scheduler:
     caching is on: those tokens count as computed and cost no budget. The blocks a plan's chunks
     fill are cached as the plan is made, so requests admitted in the same step share a prefix
     that the first of them computes in it, rather than each computing it.
+
+    The scheduler is the only code that changes a Request. Taking a step's output
+    (`update_from_output`) appends the sampled tokens, advances the grammars and applies the
+    token-level stop rules (`eos_token_ids`, stop_token_ids, a complete grammar, max_tokens and
+    `max_model_len`, None for no context limit); the output processor applies stop strings
+    through `stop_at_string`.
     """
 
     def __init__(
@@ -60,8 +48,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -137,6 +130,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        new_requests: list[NewRequestData] = []
         preempted: list[str] = []
         manager = self.kv_cache_manager
 
@@ -152,6 +146,7 @@ class Scheduler:
                     start_position=start,
                     block_ids=list(block_ids),
                     needs_sample=end == request.num_tokens,
+                    num_tokens=request.num_tokens,
                 )
             )
             # Requests admitted after this one in the same plan can share what it computes.
@@ -233,24 +228,128 @@ class Scheduler:
             request.num_computed_tokens = cached_prefix.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._sort_key)
+            new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    token_ids=list(request.token_ids),
+                    sampling_params=request.sampling_params,
+                    num_scored_prompt_tokens=len(request.prompt_logprobs),
+                )
+            )
             take(request, num_new_tokens, block_ids)
             token_budget -= num_new_tokens
 
         finished = self._finished_since_last_plan
         self._finished_since_last_plan = []
         num_scheduled_tokens = self.max_num_batched_tokens - token_budget
-        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, finished, capacity_finished)
+        return SchedulerOutput(
+            scheduled,
+            num_scheduled_tokens,
+            new_requests,
+            preempted,
+            finished,
+            capacity_finished,
+            self._grammar_rows(scheduled),
+        )
 
-    def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def _grammar_rows(self, scheduled: list[ScheduledRequest]) -> GrammarRows | None:
+        """The masks of the constrained requests among those the step samples."""
+        states = []
+        request_ids = []
+        for item in scheduled:
+            if not item.needs_sample:
+                continue
+            request = self.requests[item.request_id]
+            if request.grammar is None:
+                continue
+            assert request.grammar.num_tokens == request.num_output_tokens, (
+                f"request {request.request_id}: matcher at {request.grammar.num_tokens} tokens, "
+                f"request at {request.num_output_tokens}"
+            )
+            states.append(request.grammar)
+            request_ids.append(item.request_id)
+        if not states:
+            return None
+        return GrammarRows(request_ids, fill_masks(states))
+
+    # -- taking a step's output --------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestUpdate]:
         """Advance the counters of every scheduled request, cache the blocks the step filled,
-        and append the sampled tokens."""
+        append the sampled tokens (and their logprobs), advance the grammars, and finish the
+        requests a token-level stop rule ends. One update per sampled token, in sampling order."""
         self.kv_cache_manager.commit_scheduled()
+        for request_id, scored in output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.prompt_logprobs.extend(scored)
+        sampled: list[tuple[Request, int]] = []
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens = item.start_position + len(item.token_ids)
             self.kv_cache_manager.cache_blocks(request)
-            token_id = sampled.get(item.request_id)
-            if token_id is not None:
-                request.append_output_token(token_id)
+        for request_id, token_id in output.sampled.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.append_output_token(token_id)
+            token_logprobs = output.logprobs.get(request_id)
+            if token_logprobs is not None:
+                request.logprobs.append(token_logprobs)
+            sampled.append((request, token_id))
+        consume([(request.grammar, token_id) for request, token_id in sampled if request.grammar is not None])
+        return [self._check_stop(request, token_id) for request, token_id in sampled]
+
+    def append_forced_tokens(self, forced: list[tuple[Request, int]]) -> list[RequestUpdate]:
+        """Append tokens that the requests' grammars force (fast-forward: no sampling), with the
+        same stop rules as sampled tokens. The next plan computes them as a chunk."""
+        consume([(request.grammar, token_id) for request, token_id in forced if request.grammar is not None])
+        updates = []
+        for request, token_id in forced:
+            assert self.requests.get(request.request_id) is request, f"{request.request_id} is not running"
+            request.append_output_token(token_id)
+            updates.append(self._check_stop(request, token_id))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestUpdate:
+        """vLLM's check_stop: end the request if the token it just took is a stop."""
+        params = request.sampling_params
+        status: RequestStatus | None = None
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if request.num_output_tokens >= params.min_tokens:
+            if is_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+        grammar_error = None
+        grammar = request.grammar
+        if grammar is not None and status is None:
+            if grammar.error is not None:
+                status = RequestStatus.FINISHED_ABORTED
+                grammar_error = grammar.error
+            elif grammar.is_stopped:
+                # The grammar is complete: nothing else may follow, so stop without an EOS.
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and request.num_output_tokens >= params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None and self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        return RequestUpdate(
+            request, token_id, status is RequestStatus.FINISHED_STOPPED and is_eos, grammar_error
+        )
+
+    def stop_at_string(self, request: Request, stop: str) -> None:
+        """A stop string ends the request's text: it stops now, with finish reason "stop" even
+        when the same token also reached a length limit (and finished it already)."""
+        request.stop_reason = stop
+        if self.requests.get(request.request_id) is request:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        else:
+            assert request.is_finished, f"request {request.request_id} is neither running nor finished"
+            request.status = RequestStatus.FINISHED_STOPPED

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qworker.engine.scheduler import ScheduledRequest
+from qworker.engine.scheduler_output import ScheduledRequest
 from qworker.model.attention import AttentionMetadata
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from qworker.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from qworker.engine.request import Request, RequestStatus
+from qworker.engine.runner_output import RunnerOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler, SchedulerOutput
 from tests.conftest import run_to_completion, run_with_staggered_arrivals, tiny_engine
@@ -199,12 +200,9 @@ def summary(plan: SchedulerOutput) -> list[tuple[str, int, int, list[int]]]:
 
 
 def step(scheduler: Scheduler, plan: SchedulerOutput, token: int = 7) -> None:
+    # The scheduler finishes requests at max_tokens itself.
     sampled = {s.request_id: token for s in plan.scheduled if s.needs_sample}
-    scheduler.update_from_output(plan, sampled)
-    for request_id in sampled:
-        request = scheduler.requests[request_id]
-        if request.num_output_tokens >= request.sampling_params.max_tokens:
-            scheduler.finish_request(request_id, RequestStatus.FINISHED_LENGTH)
+    scheduler.update_from_output(plan, RunnerOutput(sampled=sampled))
 
 
 def test_scheduler_starts_after_the_cached_prefix_and_charges_no_budget_for_it() -> None:
@@ -423,7 +421,7 @@ def test_tiny_engine_step_failure_uncaches_the_blocks_of_its_plan(tiny_llama) ->
     prompt = shared_prefix_prompts(4)[6]
     execute = engine.runner.execute
 
-    def failing_execute(plan, requests):
+    def failing_execute(plan):
         raise RuntimeError("injected")
 
     engine.runner.execute = failing_execute

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from qworker.config import SchedulingPolicy
 from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.request import Request, RequestStatus
+from qworker.engine.runner_output import RunnerOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -36,16 +37,10 @@ def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 4, p
 
 
 def fake_step(scheduler: Scheduler, plan: SchedulerOutput, token: int = 7) -> list[str]:
-    """Advance as a runner would; finish requests at max_tokens. Returns finished ids."""
+    """Advance as a runner would; the scheduler finishes requests at max_tokens. Returns finished ids."""
     sampled = {item.request_id: token for item in plan.scheduled if item.needs_sample}
-    scheduler.update_from_output(plan, sampled)
-    done = []
-    for request_id in sampled:
-        request = scheduler.requests[request_id]
-        if request.num_output_tokens >= request.sampling_params.max_tokens:
-            scheduler.finish_request(request_id, RequestStatus.FINISHED_LENGTH)
-            done.append(request_id)
-    return done
+    updates = scheduler.update_from_output(plan, RunnerOutput(sampled=sampled))
+    return [u.request.request_id for u in updates if u.request.status is RequestStatus.FINISHED_LENGTH]
 
 
 def summary(plan: SchedulerOutput) -> list[tuple[str, int, int, list[int]]]:

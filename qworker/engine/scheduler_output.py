@@ -1,0 +1,83 @@
+"""What the scheduler hands out: the plan of one step for the runner (plain data: the runner needs
+nothing else, and never sees a Request), and what taking the step's output did to each request,
+for the output processor. As vLLM v1's `v1/core/sched/output.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qworker.engine.request import Request
+from qworker.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner does not hold (new, or resumed after a preemption), in full: what stays
+    fixed while it runs."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # Every token known at admission (prompt, then outputs generated before a preemption).
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    # Prompt positions scored before a preemption (prompt_logprobs): not reported again.
+    num_scored_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute KV for `token_ids` at positions from `start_position`."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    # The whole block table; the runner's input batch writes only the blocks it does not hold yet.
+    block_ids: list[int]
+    # True when this chunk reaches the last known token, so the step samples the next one.
+    needs_sample: bool
+    # The request's tokens (prompt and output) when the plan was made.
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class GrammarRows:
+    """The grammar masks of the structured-output requests a step samples."""
+
+    request_ids: list[str]
+    bitmask: np.ndarray  # [len(request_ids), ceil(vocab / 32)] int32, see structured/bitmask.py
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step. Plain data: the runner turns it into tensors."""
+
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests in `scheduled` that the runner does not hold yet (admitted in this plan).
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that left since the previous plan; the runner drops their per-request state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Requests finished by the scheduler itself: alone in the cache, they could not grow.
+    capacity_finished_request_ids: list[str] = field(default_factory=list)
+    grammar_rows: GrammarRows | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """One token a request took (sampled, or forced by its grammar), as the scheduler applied it:
+    the request (read-only past the scheduler) has the token appended, and is finished when a
+    token-level stop rule ended it (EOS, stop_token_ids, its grammar, max_tokens, the context)."""
+
+    request: Request
+    token_id: int
+    # The request stopped at an EOS token: the token's text is not shown.
+    is_eos_stop: bool = False
+    # Set when the request ended because its grammar refused the token.
+    grammar_error: str | None = None
