@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qworker_kernels.constants import FLOAT_DTYPES, is_triton_interpreter_enabled
+from qworker_kernels.constants import FLOAT_DTYPES
+from qworker_kernels.triton_common import _dot, dot_mode
 
 __all__ = ["align_pairs_to_experts", "fused_moe", "fused_moe_reference"]
 
@@ -28,19 +29,6 @@ __all__ = ["align_pairs_to_experts", "fused_moe", "fused_moe_reference"]
 # to BLOCK_M, so a smaller BLOCK_M serves them (below).
 _BLOCK_N = 64
 _BLOCK_K = 32
-
-# tl.dot modes, as in triton_paged_attention: bf16/fp16 on tensor cores, or fp32 operands (fp32
-# weights, and every dtype under TRITON_INTERPRET, whose numpy dot cannot multiply bf16).
-_DOT_NATIVE = 0
-_DOT_FP32_IEEE = 1
-
-
-@triton.jit
-def _dot(a, b, DOT_MODE: tl.constexpr):
-    if DOT_MODE == 1:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -145,12 +133,6 @@ def align_pairs_to_experts(
     return sorted_pair_ids, block_expert_ids.to(torch.int32), num_padded
 
 
-def _dot_mode(dtype: torch.dtype, device: torch.device) -> int:
-    if dtype == torch.float32 or device.type != "cuda" or is_triton_interpreter_enabled():
-        return _DOT_FP32_IEEE
-    return _DOT_NATIVE
-
-
 def _check_inputs(
     hidden: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -230,8 +212,13 @@ def fused_moe(
     block_m = 16 if num_pairs <= 4 * num_experts * 16 else 64
     sorted_pair_ids, block_expert_ids, num_padded = align_pairs_to_experts(topk_ids, num_experts, block_m)
     num_tiles = block_expert_ids.shape[0]
-    dot_mode = _dot_mode(hidden.dtype, hidden.device)
-    common = dict(BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, DOT_MODE=dot_mode, num_warps=4)
+    common = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K,
+        DOT_MODE=dot_mode(hidden.dtype, hidden.device),
+        num_warps=4,
+    )
 
     activations = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     _fused_moe_kernel[(num_tiles, triton.cdiv(inter, _BLOCK_N))](

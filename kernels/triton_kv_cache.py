@@ -43,8 +43,11 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
 ):
-    # One program per token: all its heads at once, [HEADS_PAD, HEAD_DIM_PAD].
+    # One program per token, all its heads at once, [HEADS_PAD, HEAD_DIM_PAD]: grid (num_tokens,),
+    # the program writes K and V; with SPLIT_KV grid (num_tokens, 2), program (t, 0) writes K and
+    # (t, 1) V: twice the programs, each half the bytes (decode batches leave most SMs idle otherwise).
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     block_id = slot // block_size
@@ -52,61 +55,12 @@ def _write_kv_cache_kernel(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-
-    _copy_token(
-        k_ptr + token * stride_kt,
-        stride_kh,
-        k_cache_ptr + block_id * stride_kcb + offset * stride_kcs,
-        stride_kch,
-        offs_h,
-        offs_d,
-        mask,
-    )
-    _copy_token(
-        v_ptr + token * stride_vt,
-        stride_vh,
-        v_cache_ptr + block_id * stride_vcb + offset * stride_vcs,
-        stride_vch,
-        offs_h,
-        offs_d,
-        mask,
-    )
-
-
-@triton.jit
-def _write_kv_cache_split_kernel(
-    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    v_ptr,
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,
-    slot_mapping_ptr,  # [num_tokens] int64
-    block_size,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):
-    # Grid (num_tokens, 2): one program per token and per K or V, twice the programs of
-    # _write_kv_cache_kernel, each half the bytes (decode batches leave most SMs idle otherwise).
-    token = tl.program_id(0).to(tl.int64)
-    is_v = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    block_id = slot // block_size
-    offset = slot % block_size
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    if is_v == 0:
+    is_k = True
+    is_v = True
+    if SPLIT_KV:
+        is_k = tl.program_id(1) == 0
+        is_v = tl.program_id(1) == 1
+    if is_k:
         _copy_token(
             k_ptr + token * stride_kt,
             stride_kh,
@@ -116,7 +70,7 @@ def _write_kv_cache_split_kernel(
             offs_d,
             mask,
         )
-    else:
+    if is_v:
         _copy_token(
             v_ptr + token * stride_vt,
             stride_vh,
@@ -202,29 +156,18 @@ def write_kv_cache(
     if num_tokens == 0:
         return
     heads_pad, head_dim_pad = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
-    if variant == "token_kv":
-        _write_kv_cache_split_kernel[(num_tokens, 2)](
-            k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            NUM_KV_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim,
-            HEADS_PAD=heads_pad,
-            HEAD_DIM_PAD=head_dim_pad,
-            num_warps=kv_write_num_warps(heads_pad, head_dim_pad),
-        )  # fmt: skip
-        return
-    _write_kv_cache_kernel[(num_tokens,)](
+    is_split = variant == "token_kv"
+    _write_kv_cache_kernel[(num_tokens, 2 if is_split else 1)](
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        HEADS_PAD=heads_pad,
+        HEAD_DIM_PAD=head_dim_pad,
+        SPLIT_KV=is_split,
+        num_warps=kv_write_num_warps(heads_pad, head_dim_pad) if is_split else 4,
     )  # fmt: skip
 
 

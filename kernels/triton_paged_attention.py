@@ -21,7 +21,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from qworker_kernels.constants import FLOAT_DTYPES, check_attention_extras, is_triton_interpreter_enabled
+from qworker_kernels.constants import FLOAT_DTYPES, check_attention_extras
+from qworker_kernels.triton_common import _dot, dot_mode, is_interpreting
 
 _LOG2E = 1.4426950408889634
 # Split-K heuristics for decode: aim for this many programs per SM, and never make a split
@@ -32,20 +33,6 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 # Keys per inner-loop tile; a tile may span several cache blocks (each key looks up its block).
 _TILE_N = 64
-
-# tl.dot modes. NATIVE: fp16/bf16 operands on tensor cores. FP32_IEEE: fp32 caches (exact, no
-# tf32), and bf16 under TRITON_INTERPRET, whose numpy-based dot cannot multiply bf16 (it returns
-# garbage), so operands are upcast there after the same roundings the GPU path does.
-_DOT_NATIVE = 0
-_DOT_FP32_IEEE = 1
-
-
-@triton.jit
-def _dot(a, b, DOT_MODE: tl.constexpr):
-    if DOT_MODE == 1:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -139,6 +126,8 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+# Also the batch-invariant kernel (triton_invariant_attention compiles this body again): keep its key
+# tiles aligned to absolute positions, and its rows apart everywhere but in the two _dot products.
 @triton.jit
 def _paged_attention_varlen_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
@@ -375,16 +364,6 @@ def _paged_decode_reduce_kernel(
 # Launchers
 
 
-def _is_interpreting(device: torch.device) -> bool:
-    return device.type != "cuda" or is_triton_interpreter_enabled()
-
-
-def _dot_mode(dtype: torch.dtype, device: torch.device) -> int:
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreting(device)):
-        return _DOT_FP32_IEEE
-    return _DOT_NATIVE
-
-
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -396,7 +375,7 @@ def choose_decode_num_splits(
     """Number of context splits for split-K decode on `device`, by the policy that
     QWORKER_DECODE_SPLITS names (`decode_num_splits`; read per call, so a CUDA graph keeps the
     choice made when it was captured)."""
-    if device is not None and device.type == "cuda" and not _is_interpreting(device):
+    if device is not None and device.type == "cuda" and not is_interpreting(device):
         num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     else:
         num_sms = 4  # interpreter / CPU: keep the grid small
@@ -516,6 +495,77 @@ def _extras_args(
     return (float(scale) / cap, cap * _LOG2E, window), switches
 
 
+def _check_varlen_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> int:
+    """The varlen launchers' checks; returns num_seqs."""
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
+        raise ValueError(f"query_start_loc must be [num_seqs + 1], got {tuple(query_start_loc.shape)}")
+    if query_start_loc.dtype != torch.int32:
+        raise ValueError(f"query_start_loc must be int32, got {query_start_loc.dtype}")
+    if query_start_loc.stride(0) != 1:
+        raise ValueError("query_start_loc must be contiguous")
+    if query_start_loc.device != q.device:
+        raise ValueError(f"query_start_loc is on {query_start_loc.device}, q is on {q.device}")
+    num_seqs = query_start_loc.shape[0] - 1
+    _check_cache_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, scale)
+    return num_seqs
+
+
+def _launch_varlen(
+    kernel: triton.JITFunction,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    extras: tuple[float, float, int],
+    switches: dict[str, bool],
+    *,
+    block_m: int,
+    tile_n: int,
+    dot_mode: int,
+    num_warps: int,
+) -> torch.Tensor:
+    """Launches `kernel` (the varlen kernel's body: `_paged_attention_varlen_kernel`, or its
+    invariant compile) on checked, non-empty arguments; BLOCK_M rows of BLOCK_M // group tokens."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = query_start_loc.shape[0] - 1
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_queries_per_kv = num_heads // num_kv_heads
+    block_q = block_m // num_queries_per_kv
+    # Upper bound on the q-blocks over all sequences; see _find_seq_idx.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        float(scale) * _LOG2E, *extras, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_head_dim_pad(head_dim),
+        BLOCK_SIZE=block_size,
+        NUM_QUERIES_PER_KV=num_queries_per_kv,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        DOT_MODE=dot_mode,
+        **switches,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -585,7 +635,7 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(num_queries_per_kv)),
         NUM_SPLITS=num_splits,
         TILE_N=tile_n,
-        DOT_MODE=_dot_mode(q.dtype, q.device),
+        DOT_MODE=dot_mode(q.dtype, q.device),
         **switches,
         num_warps=4,
     )  # fmt: skip
@@ -631,19 +681,10 @@ def paged_attention(
     `max_seq_len` is forwarded there to pick the number of splits. `sliding_window` and
     `logits_soft_cap`: see the module docstring. Returns out, shaped like q.
     """
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
-        raise ValueError(f"query_start_loc must be [num_seqs + 1], got {tuple(query_start_loc.shape)}")
-    if query_start_loc.dtype != torch.int32:
-        raise ValueError(f"query_start_loc must be int32, got {query_start_loc.dtype}")
-    if query_start_loc.stride(0) != 1:
-        raise ValueError("query_start_loc must be contiguous")
-    if query_start_loc.device != q.device:
-        raise ValueError(f"query_start_loc is on {query_start_loc.device}, q is on {q.device}")
-    num_seqs = query_start_loc.shape[0] - 1
-    _check_cache_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, scale)
+    num_seqs = _check_varlen_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     out = _check_out(out, q)
     extras, switches = _extras_args(scale, sliding_window, logits_soft_cap)
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads = q.shape[0], q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -659,29 +700,15 @@ def paged_attention(
     # Small tiles waste less on decode rows and short chunks; long prefill chunks want more
     # query rows per K/V tile loaded.
     block_m = max(64 if query_len_hint >= 64 else 16, group_pad)
-    block_q = block_m // num_queries_per_kv
-    # Upper bound on the q-blocks over all sequences; see _find_seq_idx.
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _paged_attention_varlen_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        float(scale) * _LOG2E, *extras, num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=_head_dim_pad(head_dim),
-        BLOCK_SIZE=block_size,
-        NUM_QUERIES_PER_KV=num_queries_per_kv,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        TILE_N=max(_TILE_N, triton.next_power_of_2(block_size)),
-        DOT_MODE=_dot_mode(q.dtype, q.device),
-        **switches,
+    return _launch_varlen(
+        _paged_attention_varlen_kernel, out, q, k_cache, v_cache, block_tables, query_start_loc,
+        seq_lens, scale, extras, switches,
+        block_m=block_m,
+        tile_n=max(_TILE_N, triton.next_power_of_2(block_size)),
+        dot_mode=dot_mode(q.dtype, q.device),
         # sm_90 compile: BLOCK_M=64 needs about 190 registers a thread at 4 warps, 140 at 8.
         num_warps=8 if block_m >= 64 else 4,
     )  # fmt: skip
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,13 +30,13 @@ from collections.abc import Callable
 
 import torch
 from qworker_kernels import cpu_invariant_attention, cpu_invariant_gemm
-from qworker_kernels.constants import is_triton_interpreter_enabled
 from torch import nn
 
 from qworker.model.attention import write_kv_cache_torch
 from qworker.model.attention_types import AttentionBackend, AttentionMetadata
 from qworker.model.linear import PackedWeight
 from qworker.model.moe import SparseMoe
+from qworker.model.triton_attention import TritonAttentionBackend
 
 
 class InvariantWeight(PackedWeight):
@@ -113,48 +113,6 @@ class TritonInvariantWeight(PackedWeight):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-class TritonInvariantAttentionBackend:
-    """Every token of the step, prefill or decode, through `triton_invariant_attention`, after the
-    step's K/V are written into the cache. No host syncs and no reads of the metadata's host lists:
-    a decode step can be captured in a CUDA graph (padding rows are rows like any other)."""
-
-    name = "triton"  # the model's elementwise ops are the Triton ones (see select_model_ops)
-
-    def __init__(self, device: torch.device, *, supports_cuda_graphs: bool = True) -> None:
-        if device.type != "cuda" and not is_triton_interpreter_enabled():
-            raise ValueError(
-                f"the Triton invariant attention runs on CUDA or under TRITON_INTERPRET=1, not {device}"
-            )
-        # Imported here, not at module load: triton reads TRITON_INTERPRET when kernels are decorated.
-        from qworker_kernels.triton_invariant_attention import invariant_paged_attention
-        from qworker_kernels.triton_kv_cache import write_kv_cache
-
-        self._write_kv_cache = write_kv_cache
-        self._attention = invariant_paged_attention
-        self.supports_cuda_graphs = supports_cuda_graphs
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] (strided views of the fused qkv are fine) -> [T, H, D]."""
-        self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        return self._attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, out,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        )  # fmt: skip
-
-
 def _replace_packed_weights(model: nn.Module, make: Callable[[], PackedWeight]) -> None:
     """Every PackedWeight of `model` (linear layers, the LM head, MoE experts) becomes make()'s."""
     for module in model.modules():
@@ -205,5 +163,11 @@ def _make_triton_invariant(model: nn.Module, device: torch.device) -> AttentionB
             module._fused_moe = None
             module._is_fused_moe_looked_up = True
             has_moe = True
-    # grouped_experts reads the per-expert token counts on the host: not capturable.
-    return TritonInvariantAttentionBackend(device, supports_cuda_graphs=not has_moe)
+    # Imported here, not at module load: triton reads TRITON_INTERPRET when kernels are decorated.
+    from qworker_kernels.triton_invariant_attention import invariant_paged_attention
+
+    # Every token of the step, prefill or decode, through the invariant kernel: no host syncs and
+    # no reads of the metadata's host lists, so a decode step can be captured in a CUDA graph
+    # (padding rows are rows like any other); but grouped_experts reads the per-expert token
+    # counts on the host.
+    return TritonAttentionBackend(device, invariant_paged_attention, supports_cuda_graphs=not has_moe)

@@ -7,18 +7,49 @@ a decode step through this backend can be captured in a CUDA graph (qworker.engi
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from qworker_kernels.constants import is_triton_interpreter_enabled
 
 from qworker.model.attention_types import AttentionMetadata
 
 
-class TritonAttentionBackend:
-    name = "triton"
-    # Static shapes and no host syncs: the runner may capture decode steps in CUDA graphs.
-    supports_cuda_graphs = True
+class PagedAttentionLauncher(Protocol):
+    """What the backend launches: `qworker_kernels.triton_paged_attention.paged_attention`, or a
+    kernel called the same way (`triton_invariant_attention.invariant_paged_attention`)."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+        *,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor: ...
+
+
+class TritonAttentionBackend:
+    """The step's K/V written into the cache, then every token through `attention` (None: the
+    default `paged_attention`, whose pure-decode batches take the split-K decode kernel)."""
+
+    name = "triton"
+
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        attention: PagedAttentionLauncher | None = None,
+        *,
+        supports_cuda_graphs: bool = True,
+    ) -> None:
         if device is not None and device.type != "cuda" and not is_triton_interpreter_enabled():
             raise ValueError(
                 f"the Triton attention backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1 "
@@ -27,10 +58,16 @@ class TritonAttentionBackend:
         # Imported on first use, not at module load: triton reads TRITON_INTERPRET when the
         # kernels are decorated.
         from qworker_kernels.triton_kv_cache import write_kv_cache
-        from qworker_kernels.triton_paged_attention import paged_attention
 
+        if attention is None:
+            from qworker_kernels.triton_paged_attention import paged_attention
+
+            attention = paged_attention
         self._write_kv_cache = write_kv_cache
-        self._paged_attention = paged_attention
+        self.attention = attention
+        # Static shapes and no host syncs: the runner may capture decode steps in CUDA graphs
+        # (unless the model's other layers cannot be captured).
+        self.supports_cuda_graphs = supports_cuda_graphs
 
     def forward(
         self,
@@ -49,8 +86,7 @@ class TritonAttentionBackend:
         self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         # A fresh contiguous output: q is usually a strided view into the qkv projection.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        # With max_query_len == 1 (a pure decode batch) this goes to the split-K decode kernel.
-        return self._paged_attention(
+        return self.attention(
             q,
             k_cache,
             v_cache,

@@ -16,10 +16,10 @@ import torch
 
 from qworker.engine.sampling_params import SamplingParams
 from qworker.model.batch_invariant import (
-    TritonInvariantAttentionBackend,
     TritonInvariantWeight,
     make_batch_invariant,
 )
+from qworker.model.triton_attention import TritonAttentionBackend
 from tests.conftest import run_to_completion, tiny_engine, tiny_hf_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,7 +76,8 @@ def invariant_engine(model, dtype: str, **args):  # type: ignore[no-untyped-def]
 def test_alone_together_chunked_graphs_and_cache_hits_give_equal_bits(model, dtype: str) -> None:
     engine = invariant_engine(model, dtype)
     runner = engine.runner
-    assert isinstance(runner.backend, TritonInvariantAttentionBackend)
+    assert isinstance(runner.backend, TritonAttentionBackend)
+    assert runner.backend.attention.__name__ == "invariant_paged_attention"
     assert runner.backend.supports_cuda_graphs
     assert isinstance(runner.model.lm_head_packed, TritonInvariantWeight)
     assert runner.model.ops.name == "triton"

@@ -5,6 +5,7 @@ import pytest
 import qworker_kernels.triton_fused_moe as moe
 import torch
 from qworker_kernels.testing import TOLERANCES, make_moe_inputs, moe_cases
+from qworker_kernels.triton_common import DOT_NATIVE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(120)
@@ -85,7 +86,7 @@ def test_fused_moe_kernel_compiles_for_sm90_without_spills(compile_for_sm90) -> 
         "out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "topk_weights_ptr": "*fp32",
         "sorted_pair_ids_ptr": "*i32", "block_expert_ids_ptr": "*i32", "num_padded_ptr": "*i32",
     }  # fmt: skip
-    common = dict(BLOCK_N=64, BLOCK_K=32, DOT_MODE=moe._DOT_NATIVE)
+    common = dict(BLOCK_N=64, BLOCK_K=32, DOT_MODE=DOT_NATIVE)
     specs = [
         dict(kernel="_fused_moe_kernel", pointer_types=pointers,
              constexprs=dict(common, A_ROWS_PER_PAIR=2, GATED=True, MUL_ROUTED_WEIGHT=False, BLOCK_M=block_m))

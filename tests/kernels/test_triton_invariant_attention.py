@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 import qworker_kernels.triton_invariant_attention as ia
 import torch
+from qworker_kernels.triton_common import DOT_FP32_IEEE, DOT_NATIVE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(120)
@@ -188,7 +189,7 @@ POINTERS = {
 
 
 def test_the_kernel_compiles_for_sm90_with_mma_and_without_spills(compile_for_sm90) -> None:
-    # The tensor-core path (USE_DOT) is what the interpreter cannot run: compile it for an H200
+    # The tensor-core path (DOT_NATIVE) is what the interpreter cannot run: compile it for an H200
     # with the launcher's settings, SmolLM2's heads (9 / 3, head_dim 64) and a GQA-8, d-128 model.
     specs = []
     for pointer_dtype, ieee in (("bf16", False), ("fp32", True)):
@@ -200,10 +201,10 @@ def test_the_kernel_compiles_for_sm90_with_mma_and_without_spills(compile_for_sm
                 float_args=["scale_log2", "cap_scale", "cap_log2"],
                 constexprs=dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16,
                                 NUM_QUERIES_PER_KV=heads // kv_heads, BLOCK_M=block_m, BLOCK_Q=block_q,
-                                TILE_N=ia.TILE_N, USE_DOT=True, DOT_IEEE=ieee,
+                                TILE_N=ia.TILE_N, DOT_MODE=DOT_FP32_IEEE if ieee else DOT_NATIVE,
                                 USE_WINDOW=extras, USE_SOFT_CAP=extras),
             ))  # fmt: skip
     for spec, result in zip(specs, compile_for_sm90("triton_invariant_attention", specs), strict=True):
-        if not spec["constexprs"]["DOT_IEEE"]:  # fp32 "ieee" dots run on the FMA units
+        if spec["constexprs"]["DOT_MODE"] == DOT_NATIVE:  # fp32 "ieee" dots run on the FMA units
             assert result["ptx_has_mma"], f"tl.dot did not lower to MMA: {spec}"
         assert result["stack_bytes"] in (None, 0), f"register spills: {result}"

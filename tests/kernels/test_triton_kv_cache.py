@@ -100,10 +100,11 @@ def test_kernel_compiles_for_sm90(compile_for_sm90) -> None:
     shape = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128)
     results = compile_for_sm90(
         "triton_kv_cache",
-        [dict(kernel="_write_kv_cache_kernel", pointer_types=pointers, constexprs=shape),
+        [dict(kernel="_write_kv_cache_kernel", pointer_types=pointers,
+              constexprs=dict(shape, SPLIT_KV=False)),
          # the token_kv variant at the 1B model's layer shape, with the warps it launches with
-         dict(kernel="_write_kv_cache_split_kernel", pointer_types=pointers,
-              constexprs=dict(NUM_KV_HEADS=8, HEAD_DIM=64, HEADS_PAD=8, HEAD_DIM_PAD=64),
+         dict(kernel="_write_kv_cache_kernel", pointer_types=pointers,
+              constexprs=dict(NUM_KV_HEADS=8, HEAD_DIM=64, HEADS_PAD=8, HEAD_DIM_PAD=64, SPLIT_KV=True),
               num_warps=kv.kv_write_num_warps(8, 64))],
     )  # fmt: skip
     assert len(results) == 2

@@ -14,6 +14,7 @@ from qworker_kernels.testing import (
     make_paged_batch,
     varlen_seqs,
 )
+from qworker_kernels.triton_common import DOT_FP32_IEEE, DOT_NATIVE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(120)
@@ -337,7 +338,7 @@ BF16_POINTERS = {
 def test_kernels_compile_for_sm90_without_spills(compile_for_sm90) -> None:
     # The bf16 GPU path (tensor-core tl.dot) is what the interpreter cannot run; at least compile it
     # for an H100/H200 with the launchers' settings and check for MMA and register spills.
-    common = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, TILE_N=64, DOT_MODE=pa._DOT_NATIVE)
+    common = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, TILE_N=64, DOT_MODE=DOT_NATIVE)
     specs = [
         dict(kernel="_paged_attention_varlen_kernel", num_warps=4,
              constexprs=dict(common, NUM_QUERIES_PER_KV=4, BLOCK_M=16, BLOCK_Q=4)),
@@ -370,11 +371,11 @@ def test_kernels_compile_for_sm90_without_spills(compile_for_sm90) -> None:
         dict(kernel="_paged_decode_attention_kernel", num_warps=4, pointer_types=fp32_pointers,
              float_args=["scale_log2", "cap_scale", "cap_log2"],
              constexprs=dict(NUM_HEADS=6, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=32, TILE_N=64,
-                             DOT_MODE=pa._DOT_FP32_IEEE, NUM_QUERIES_PER_KV=3, GROUP_PAD=16, NUM_SPLITS=3,
+                             DOT_MODE=DOT_FP32_IEEE, NUM_QUERIES_PER_KV=3, GROUP_PAD=16, NUM_SPLITS=3,
                              USE_WINDOW=True, USE_SOFT_CAP=False))
     )  # fmt: skip
     results = compile_for_sm90("triton_paged_attention", specs)
     for spec, result in zip(specs, results, strict=True):
-        if spec["constexprs"].get("DOT_MODE") == pa._DOT_NATIVE:
+        if spec["constexprs"].get("DOT_MODE") == DOT_NATIVE:
             assert result["ptx_has_mma"], f"tl.dot did not lower to tensor-core MMA: {spec}"
         assert result["stack_bytes"] in (None, 0), f"register spills in {spec['kernel']}: {result}"
