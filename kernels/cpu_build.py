@@ -25,6 +25,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from qworker_kernels import envs
+
 logger = logging.getLogger(__name__)
 
 _QUOTED_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
@@ -34,8 +36,7 @@ OPENMP_FLAG = "-fopenmp"
 
 
 def cache_root() -> Path:
-    root = os.environ.get("QWORKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "qworker")
-    return Path(root) / "kernels"
+    return envs.cache_dir() / "kernels"
 
 
 def cpu_fingerprint() -> str:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 
 import torch
+from qworker_kernels import envs
 from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = ["is_available", "paged_attention", "paged_attention_reference", "supports", "token_positions"]
@@ -51,7 +51,7 @@ def is_available() -> bool:
 def amx_allowed() -> bool:
     """False when ``QWORKER_INVARIANT_ATTENTION_AMX=0``: bf16 then takes the VDPBF16PS path even
     where AMX tiles are there (for comparisons; the two paths give different bits)."""
-    return os.environ.get("QWORKER_INVARIANT_ATTENTION_AMX", "1") != "0"
+    return envs.QWORKER_INVARIANT_ATTENTION_AMX.get()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

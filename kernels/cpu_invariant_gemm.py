@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+from qworker_kernels import envs
 from qworker_kernels.cpu_build import CKernelLibrary
 
 __all__ = [
@@ -69,7 +69,7 @@ def amx_enabled() -> bool:
     """True when bf16 weights are packed for (and multiplied on) AMX tiles: the build targets AMX,
     the OS granted the tile registers, and ``QWORKER_INVARIANT_GEMM_AMX`` is not ``0`` (read at
     each pack, so a test can compare both paths in one process)."""
-    if os.environ.get("QWORKER_INVARIANT_GEMM_AMX", "1") == "0":
+    if not envs.QWORKER_INVARIANT_GEMM_AMX.get():
         return False
     return _amx_available()
 

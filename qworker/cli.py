@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from qworker import envs
 from qworker.batch.command import batch
 from qworker.bench.command import bench
 from qworker.cli_errors import (
@@ -44,9 +45,9 @@ app = typer.Typer(
 )
 
 # URLs may carry passwords: from the environment or a file they stay out of the process list.
-QUEUE_URL_ENV = "QWORKER_QUEUE_URL"
-RESULTS_URL_ENV = "QWORKER_RESULTS_URL"
-STATS_URL_ENV = "QWORKER_STATS_URL"
+QUEUE_URL_ENV = envs.QWORKER_QUEUE_URL.name
+RESULTS_URL_ENV = envs.QWORKER_RESULTS_URL.name
+STATS_URL_ENV = envs.QWORKER_STATS_URL.name
 
 QueueOpt = Annotated[
     str | None,
@@ -203,13 +204,14 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
     metrics.set_hardware(hardware)
     metrics.set_startup(timings)
     logging.getLogger("qworker.cli").info(
-        "worker %s on %s (%s, %.0f GiB), %d KV blocks of %d tokens; startup: %s",
+        "worker %s on %s (%s, %.0f GiB), %d KV blocks of %d tokens, CUDA graphs %s; startup: %s",
         settings.name,
         hardware.device,
         hardware.device_name,
         hardware.device_memory_bytes / 2**30,
         hardware.num_kv_blocks,
         hardware.block_size,
+        "on" if hardware.is_cuda_graphs_enabled else "off",
         timings.summary(),
     )
     # Tests and supervisors wait for this line before they send work or signals.

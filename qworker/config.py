@@ -3,6 +3,8 @@ text here is the option's help, the default here its default."""
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -19,6 +21,16 @@ DTYPE_ALIASES = {
 # torch.Generator.manual_seed takes, and what an int64 in any producer's language holds.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**63 - 1
+# vLLM's default share of the GPU's total memory for one engine instance.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The KV pool on the CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given (vLLM's CPU
+# backend takes VLLM_CPU_KVCACHE_SPACE instead of a fraction: host memory is the OS's and other
+# processes' too).
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+# Deprecated EngineConfig fields, each to the field that replaces it.
+DEPRECATED_FIELDS = {"kv_cache_memory_gb": "kv_cache_memory_bytes"}
+
+logger = logging.getLogger(__name__)
 
 
 class SchedulingPolicy(str, Enum):
@@ -36,13 +48,32 @@ class EngineConfig:
     block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block"})
     num_kv_blocks: int | None = field(
         default=None,
-        metadata={"help": "KV-cache blocks in the pool (none: size it from kv_cache_memory_gb)"},
+        metadata={
+            "help": "KV-cache blocks in the pool; wins over kv_cache_memory_bytes and "
+            "gpu_memory_utilization (none: size the pool from them)"
+        },
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata={
+            "help": "CUDA: the fraction of the GPU's total memory this engine may use, weights, "
+            "activations and KV cache together, as in vLLM; the KV pool gets what is left of it "
+            f"(none: {DEFAULT_GPU_MEMORY_UTILIZATION:g}). Not used on the CPU (see "
+            "kv_cache_memory_bytes)"
+        },
+    )
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Bytes for the KV cache, as in vLLM; wins over gpu_memory_utilization "
+            f"(none: CUDA, from gpu_memory_utilization; CPU, {DEFAULT_CPU_KV_CACHE_BYTES // 2**30} GiB)"
+        },
     )
     kv_cache_memory_gb: float | None = field(
         default=None,
         metadata={
-            "help": "GiB for the KV cache when num_kv_blocks is none "
-            "(none: 2 on CPU, 85% of the free memory on CUDA)"
+            "help": "Deprecated: use kv_cache_memory_bytes. GiB for the KV cache, converted to "
+            "kv_cache_memory_bytes (which then holds the value; this field goes back to none)"
         },
     )
     max_num_seqs: int = field(default=256, metadata={"help": "Most requests running in one step"})
@@ -77,8 +108,8 @@ class EngineConfig:
     attention_backend: str = field(
         default="auto",
         metadata={
-            "help": "auto (triton on CUDA, torch elsewhere), torch, triton; "
-            "the QWORKER_ATTENTION_BACKEND environment variable overrides it"
+            "help": "auto ($QWORKER_ATTENTION_BACKEND when set, else triton on CUDA and torch "
+            "elsewhere), torch, triton; an explicit torch or triton wins over the variable"
         },
     )
     enforce_eager: bool = field(
@@ -105,9 +136,34 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None:
+            self._convert_kv_cache_memory_gb(self.kv_cache_memory_gb)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.dtype != "auto" and self.dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPE_ALIASES)}, got {self.dtype!r}")
         if not MIN_SEED <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
+
+    def _convert_kv_cache_memory_gb(self, memory_gb: float) -> None:
+        if self.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                "give kv_cache_memory_bytes or the deprecated kv_cache_memory_gb, not both "
+                f"(got {self.kv_cache_memory_bytes} bytes and {memory_gb} GiB)"
+            )
+        if not memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {memory_gb}")
+        memory_bytes = int(memory_gb * 2**30)
+        message = (
+            f"kv_cache_memory_gb is deprecated; use kv_cache_memory_bytes={memory_bytes} "
+            f"(--kv-cache-memory-bytes {memory_bytes}) instead of {memory_gb:g} GiB"
+        )
+        warnings.warn(message, DeprecationWarning, stacklevel=4)
+        logger.warning(message)
+        # One field holds the size from here on: replace() and config_to_args see bytes only.
+        self.kv_cache_memory_bytes = memory_bytes
+        self.kv_cache_memory_gb = None

@@ -79,6 +79,8 @@ class HardwareInfo:
     kv_capacity_tokens: int  # num_kv_blocks * block_size: the unit in which mixed pools add up
     # EngineConfig.batch_invariant: a redelivered job repeats its text (docs/reproducibility.md).
     batch_invariant: bool = False
+    # Decode steps replay CUDA graphs (CUDA, a backend that supports them, enforce_eager off).
+    is_cuda_graphs_enabled: bool = False
 
     def __post_init__(self) -> None:
         assert self.kv_capacity_tokens == self.num_kv_blocks * self.block_size, "capacity in tokens"

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from qworker import envs
 from qworker.bench.records import RequestRecord, RequestStatus
 from qworker.bench.run import IDLE_POLL_S, Run
 from qworker.bench.system import System
@@ -70,7 +71,7 @@ def vllm_options(label: str, options: dict[str, str]) -> dict[str, Any]:
 
 
 def default_root() -> Path:
-    return Path(os.environ.get("QWORKER_VLLM_CPU_ROOT") or DEFAULT_ROOT)
+    return envs.QWORKER_VLLM_CPU_ROOT.get() or Path(DEFAULT_ROOT)
 
 
 def venv_python(root: Path) -> Path:

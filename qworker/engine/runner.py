@@ -14,6 +14,7 @@ import torch
 from qworker.config import DTYPE_ALIASES, EngineConfig
 from qworker.engine.cuda_graphs import DecodeCudaGraphs
 from qworker.engine.input_batch import CachedRequestState, InputBatch
+from qworker.engine.kv_cache_memory import kv_cache_budget_bytes
 from qworker.engine.runner_output import RunnerOutput
 from qworker.engine.sampler import Sampler, SamplingRow, TokenBitmask, compute_logprobs
 from qworker.engine.sampling_params import SamplingParams
@@ -27,11 +28,6 @@ from qworker.model.weights import load_checkpoint
 from qworker.utils import cdiv
 
 logger = logging.getLogger(__name__)
-
-# CPU default for the KV pool when neither num_kv_blocks nor kv_cache_memory_gb is given.
-DEFAULT_CPU_KV_CACHE_GB = 2.0
-# Share of free accelerator memory the KV pool may take.
-GPU_KV_CACHE_FRACTION = 0.85
 
 
 def resolve_device(device: str) -> torch.device:
@@ -119,9 +115,7 @@ class ModelRunner:
         # RoPE tables stay float32, as transformers computes them.
         self.model.rotary.float()
 
-        self.num_kv_blocks = config.num_kv_blocks or self._num_kv_blocks_from_memory(
-            model_config, config.kv_cache_memory_gb
-        )
+        self.num_kv_blocks = config.num_kv_blocks or self._num_kv_blocks_from_memory(model_config, config)
         # One block more than the pool hands out: the padding rows of a CUDA-graph decode batch
         # write their K/V there.
         self.padding_block_id = self.num_kv_blocks
@@ -154,7 +148,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
             self.enable_cuda_graphs()
 
-    def _num_kv_blocks_from_memory(self, model_config: ModelConfig, memory_gb: float | None) -> int:
+    def _num_kv_blocks_from_memory(self, model_config: ModelConfig, config: EngineConfig) -> int:
         bytes_per_block = (
             2
             * model_config.num_layers
@@ -163,13 +157,8 @@ class ModelRunner:
             * model_config.head_dim
             * self.dtype.itemsize
         )
-        if memory_gb is not None:
-            budget = memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * GPU_KV_CACHE_FRACTION
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_GB * 2**30
+        # kv_cache_memory_bytes, gpu_memory_utilization or the CPU default (kv_cache_memory.py).
+        budget = kv_cache_budget_bytes(config, model_config, self.device, self.dtype)
         # Never more than every sequence at full length would need.
         cap = self.max_num_seqs * cdiv(self.max_model_len, self.block_size)
         return max(1, min(int(budget // bytes_per_block), cap))

@@ -34,7 +34,10 @@ def load_engine_in_phases(config: EngineConfig, timings: StartupTimings) -> LLME
             preload_cpu_kernels()
     capture = device.type == "cuda" and not config.enforce_eager
     with timings.phase("load"):
+        # Built eager so that the capture is timed on its own, below.
         engine = LLMEngine(dataclasses.replace(config, enforce_eager=True) if capture else config)
+    # The engine reports the caller's config, not the eager one it was built with: graphs replay.
+    engine.config = config
     if capture and engine.runner.backend.supports_cuda_graphs:
         with timings.phase("graph_capture"):
             engine.runner.enable_cuda_graphs()
@@ -69,6 +72,7 @@ def describe_hardware(engine: LLMEngine) -> HardwareInfo:
         block_size=engine.config.block_size,
         kv_capacity_tokens=engine.num_kv_blocks * engine.config.block_size,
         batch_invariant=engine.config.batch_invariant,
+        is_cuda_graphs_enabled=engine.runner.cuda_graphs is not None,
     )
 
 

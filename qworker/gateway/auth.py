@@ -15,10 +15,11 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from qworker import envs
 from qworker.errors import QworkerError
 from qworker.gateway.errors import GatewayError
 
-API_KEYS_ENV = "QWORKER_API_KEYS"
+API_KEYS_ENV = envs.QWORKER_API_KEYS.name
 # Liveness and readiness probes come from the orchestrator, which holds no key.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 

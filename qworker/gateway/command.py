@@ -15,13 +15,14 @@ from typing import Annotated
 
 import typer
 
+from qworker import envs
 from qworker.cli_options import config_options
 from qworker.errors import MissingDependencyError
 from qworker.gateway.settings import GatewaySettings
 
-QUEUE_URL_ENV = "QWORKER_QUEUE_URL"
-RESULTS_URL_ENV = "QWORKER_RESULTS_URL"
-STREAM_RESULTS_URL_ENV = "QWORKER_STREAM_RESULTS_URL"
+QUEUE_URL_ENV = envs.QWORKER_QUEUE_URL.name
+RESULTS_URL_ENV = envs.QWORKER_RESULTS_URL.name
+STREAM_RESULTS_URL_ENV = envs.QWORKER_STREAM_RESULTS_URL.name
 
 
 def _read_secret_file(path: Path | None, option: str) -> str | None:

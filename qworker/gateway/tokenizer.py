@@ -11,11 +11,11 @@ config.json (`max_position_embeddings`) unless --max-model-len says.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qworker import envs
 from qworker.errors import QworkerError
 
 # Mirrors qworker.model.loader (which imports torch, so it cannot be imported here).
@@ -34,8 +34,7 @@ class ChatTemplateError(QworkerError, ValueError):
 
 
 def cache_root() -> Path:
-    root = os.environ.get("QWORKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "qworker")
-    return Path(root)
+    return envs.cache_dir()
 
 
 def find_tokenizer_dir(model: str, tokenizer: str | None) -> Path:

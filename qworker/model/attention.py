@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from qworker_kernels.cpu_paged_attention import paged_decode_attention_torch
 
+from qworker import envs
 from qworker.model.attention_types import AttentionBackend, AttentionMetadata
 from qworker.utils import cdiv
 
@@ -279,7 +278,7 @@ def _decode_in_window(
 
 
 def _load_cpu_decode_kernel():  # type: ignore[no-untyped-def]
-    if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
+    if envs.QWORKER_DISABLE_CPU_KERNEL.get():
         return None
     try:
         from qworker_kernels import cpu_paged_attention
@@ -301,7 +300,7 @@ def _load_cpu_kv_writer():  # type: ignore[no-untyped-def]
 
 
 def _load_cpu_prefill_kernel():  # type: ignore[no-untyped-def]
-    if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
+    if envs.QWORKER_DISABLE_CPU_KERNEL.get():
         return None
     try:
         from qworker_kernels import cpu_prefill_attention
@@ -314,11 +313,15 @@ def select_attention_backend(
     requested: str,
     device: torch.device,
 ) -> AttentionBackend:
-    """`auto` picks Triton on CUDA and torch elsewhere; QWORKER_ATTENTION_BACKEND overrides.
+    """An explicit `requested` backend (torch, triton) is used as is. `auto` takes
+    $QWORKER_ATTENTION_BACKEND when set, else Triton on CUDA and torch elsewhere.
 
     Both backends take sliding windows and logit soft-capping in their kernels.
     """
-    choice = os.environ.get("QWORKER_ATTENTION_BACKEND", requested) or "auto"
+    # The variable only decides `auto`: an explicit option always wins over it (qworker/envs.py).
+    choice = requested
+    if choice == "auto":
+        choice = envs.QWORKER_ATTENTION_BACKEND.get() or "auto"
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
     backend: AttentionBackend

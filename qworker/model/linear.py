@@ -15,11 +15,12 @@ oneDNN, QWORKER_DISABLE_PACKED_LINEAR set) the layers are plain `F.linear`.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qworker import envs
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 def is_packing_available() -> bool:
     """oneDNN's packed linear is in this torch build, and not switched off by the environment."""
-    if os.environ.get("QWORKER_DISABLE_PACKED_LINEAR"):
+    if envs.QWORKER_DISABLE_PACKED_LINEAR.get():
         return False
     mkldnn = torch.ops.mkldnn
     return (

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from qworker import envs
 from qworker.errors import CheckpointError, UnknownModelError
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,7 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    root = os.environ.get("QWORKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "qworker")
-    return Path(root)
+    return envs.cache_dir()
 
 
 @dataclass

@@ -9,13 +9,14 @@ The model calls `ops.<name>(...)` and never branches on the device per call.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from qworker_kernels.rmsnorm_reference import fused_add_rms_norm_reference, rms_norm_reference
+
+from qworker import envs
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def cpu_ops() -> ModelOps | None:
     1.5x torch's ops at 128 rows and 4.0x at 2,048 (one thread, bf16, SmolLM2 shapes, the AMX
     Xeon), and each op about 2x the earlier 8-lane code (`scripts/bench_cpu_elementwise.py`).
     """
-    if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
+    if envs.QWORKER_DISABLE_CPU_KERNEL.get():
         return None
     from qworker_kernels import cpu_fused_ops
 

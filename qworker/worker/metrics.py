@@ -186,6 +186,7 @@ class WorkerMetrics:
                 "device_name": hardware.device_name,
                 "dtype": hardware.dtype,
                 "block_size": str(hardware.block_size),
+                "cuda_graphs": "true" if hardware.is_cuda_graphs_enabled else "false",
             }
         )
         self.device_memory_bytes.set(hardware.device_memory_bytes)

@@ -8,16 +8,18 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+from qworker import envs
+
 # Set to 1 to log job payloads (prompts, message bodies, result text) at DEBUG. Off by default:
 # prompts are user data, and DEBUG logs often end up in shared log stores.
-LOG_PAYLOADS_ENV = "QWORKER_LOG_PAYLOADS"
+LOG_PAYLOADS_ENV = envs.QWORKER_LOG_PAYLOADS.name
 
 # Libraries that log request and response bodies (so: prompts) at DEBUG.
 PAYLOAD_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "kombu", "celery", "amqp", "redis")
 
 
 def log_payloads_from_env() -> bool:
-    return os.environ.get(LOG_PAYLOADS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.QWORKER_LOG_PAYLOADS.get()
 
 
 def quiet_payload_loggers(log_payloads: bool) -> None:

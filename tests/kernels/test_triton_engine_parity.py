@@ -137,16 +137,23 @@ def test_cuda_graphs_switch_off_and_back_on(model, torch_tokens) -> None:
         engine(model, "torch").runner.enable_cuda_graphs(allow_cpu=True)
 
 
-@pytest.mark.parametrize("forced,requested", [("triton", "torch"), ("torch", "triton"), ("triton", "auto")])
-def test_env_var_forces_the_backend(model, monkeypatch, forced: str, requested: str) -> None:
+@pytest.mark.parametrize("forced", ["triton", "torch"])
+def test_env_var_decides_auto(model, monkeypatch, forced: str) -> None:
+    # Only `auto`: an explicit attention_backend wins over the variable (tests/unit/test_envs.py).
     monkeypatch.setenv("QWORKER_ATTENTION_BACKEND", forced)
-    forced_engine = engine(model, requested)
+    forced_engine = engine(model, "auto")
     assert forced_engine.attention_backend_name == forced
     assert forced_engine.runner.backend.name == forced
     # The torch attention backend on the CPU runs the model's other ops in C when the compiled
     # kernels are available ("cpu"), in torch otherwise.
     expected_ops = {"triton"} if forced == "triton" else {"torch", "cpu"}
     assert forced_engine.runner.model.ops.name in expected_ops
+
+
+@pytest.mark.parametrize(("variable", "requested"), [("torch", "triton"), ("triton", "torch")])
+def test_an_explicit_backend_wins_over_the_env_var(model, monkeypatch, variable: str, requested: str) -> None:
+    monkeypatch.setenv("QWORKER_ATTENTION_BACKEND", variable)
+    assert engine(model, requested).runner.backend.name == requested
 
 
 def test_auto_picks_by_device(model, monkeypatch) -> None:

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from qworker import cli
 from qworker.cli_options import config_to_args, engine_options
-from qworker.config import EngineConfig, SchedulingPolicy
+from qworker.config import DEPRECATED_FIELDS, EngineConfig, SchedulingPolicy
 from qworker.worker.settings import LOG_PAYLOADS_ENV, WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ CONFIG_CLASSES = (EngineConfig, WorkerSettings)
 # Options of `qworker worker` that are not config fields (kept by name for docs, infra and tests).
 RUN_OPTIONS = ("--queue", "--results", "--stream-results", "--lease-timeout-s", "--burst", "--log-level")
 # Fields whose other value must be one the dataclass accepts.
-OTHER_VALUES = {"attention_backend": "torch", "dtype": "float16"}
+OTHER_VALUES = {"attention_backend": "torch", "dtype": "float16", "gpu_memory_utilization": 0.5}
 
 
 def flag(name: str) -> str:
@@ -98,6 +98,8 @@ def test_every_config_field_is_a_worker_option_that_reaches_the_config(invoke):
     for cls in CONFIG_CLASSES:
         expected[cls.__name__] = {}
         for field in dataclasses.fields(cls):
+            if field.name in DEPRECATED_FIELDS:
+                continue  # an alias of a field set here: not both (test_deprecated_kv_cache_memory_gb)
             value = other_value(cls, field)
             expected[cls.__name__][field.name] = value
             args += as_args(field.name, value)
@@ -151,9 +153,28 @@ def test_invalid_values_are_usage_errors_not_tracebacks():
     assert "block_size must be >= 1" in result.output
 
 
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_gpu_memory_utilization_is_a_fraction_in_zero_one(value):
+    result = CliRunner().invoke(cli.app, ["worker", "--gpu-memory-utilization", value])
+    assert result.exit_code == 2
+    assert "gpu_memory_utilization must be in (0, 1]" in result.output
+
+
+def test_deprecated_kv_cache_memory_gb_becomes_bytes(invoke):
+    with pytest.warns(DeprecationWarning, match="kv_cache_memory_bytes=536870912"):
+        engine_config, _, _ = invoke("--kv-cache-memory-gb", "0.5")
+    assert (engine_config.kv_cache_memory_bytes, engine_config.kv_cache_memory_gb) == (2**29, None)
+    assert engine_config == EngineConfig(kv_cache_memory_bytes=2**29)
+    both = ["worker", "--kv-cache-memory-gb", "0.5", "--kv-cache-memory-bytes", "1024"]
+    result = CliRunner().invoke(cli.app, both)
+    assert result.exit_code == 2
+    assert "not both" in result.output
+
+
 def test_config_to_args_round_trips_through_the_command(invoke):
     engine_config = EngineConfig(
-        model="m", block_size=8, kv_cache_memory_gb=0.5, enable_chunked_prefill=False,
+        model="m", block_size=8, kv_cache_memory_bytes=2**29, gpu_memory_utilization=0.75,
+        enable_chunked_prefill=False,
         scheduling_policy=SchedulingPolicy.PRIORITY, attention_backend="torch", seed=7,
     )  # fmt: skip
     settings = WorkerSettings(name="w1", max_backlog=3, lease_extend_interval_s=2.0, log_payloads=False)

@@ -239,14 +239,14 @@ def test_bad_sampling_params(params, match) -> None:
 
 def test_runner_sizes_the_kv_pool_from_memory(tiny_llama) -> None:
     # A block holds k and v for 2 layers x 4 slots x 2 KV heads x head_dim 16, fp32: 2048 bytes.
-    engine = tiny_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory_gb=100 * 2048 / 2**30)
+    engine = tiny_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory_bytes=100 * 2048)
     assert engine.num_kv_blocks == engine.kv_stats().num_total_blocks == 100
     k_cache, v_cache = engine.runner.kv_caches[0]
     # One block past the pool: the padding block of CUDA-graph decode batches.
     assert k_cache.shape == v_cache.shape == (101, 4, 2, 16)
     assert engine.runner.padding_block_id == 100
     # Never more than every sequence at full length needs: 2 x 512 / 4 blocks.
-    capped = tiny_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory_gb=1.0, max_num_seqs=2)
+    capped = tiny_engine(tiny_llama, num_kv_blocks=None, kv_cache_memory_bytes=2**30, max_num_seqs=2)
     assert capped.num_kv_blocks == 256
 
 

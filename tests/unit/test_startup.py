@@ -62,6 +62,7 @@ def test_an_engine_built_in_phases_matches_llm_engine(tmp_path):
     assert hardware.device == "cpu" and hardware.device_name and hardware.device_memory_bytes > 2**30
     assert (hardware.dtype, hardware.num_kv_blocks, hardware.block_size) == ("float32", 32, 16)
     assert hardware.kv_capacity_tokens == 32 * 16
+    assert hardware.is_cuda_graphs_enabled is False and engine.config == config
     assert engine.dtype == torch.float32
 
 
@@ -69,11 +70,14 @@ def test_stats_and_metrics_carry_the_hardware_and_the_startup():
     from qworker.worker.metrics import WorkerMetrics
     from qworker.worker.stats import WorkerStats
 
-    hardware = HardwareInfo("cuda:0", "NVIDIA H200", 150 * 2**30, "bfloat16", 65536, 16, 65536 * 16)
+    hardware = HardwareInfo(
+        "cuda:0", "NVIDIA H200", 150 * 2**30, "bfloat16", 65536, 16, 65536 * 16, is_cuda_graphs_enabled=True
+    )
     timings = StartupTimings({"import": 2.0, "weights": 30.0, "load": 4.0, "graph_capture": 6.0}, 43.0)
     stats = WorkerStats(hardware=hardware, startup=timings)
     report = json.loads(json.dumps(dataclasses.asdict(stats)))  # as the Redis sink writes it
     assert report["hardware"]["kv_capacity_tokens"] == 1048576 and report["hardware"]["block_size"] == 16
+    assert report["hardware"]["is_cuda_graphs_enabled"] is True
     assert report["startup"]["seconds"]["graph_capture"] == 6.0 and report["startup"]["to_ready_s"] == 43.0
 
     metrics = WorkerMetrics()
@@ -85,7 +89,10 @@ def test_stats_and_metrics_carry_the_hardware_and_the_startup():
     assert registry.get_sample_value("qworker_device_memory_bytes") == 150 * 2**30
     assert registry.get_sample_value("qworker_startup_seconds", {"phase": "graph_capture"}) == 6.0
     assert registry.get_sample_value("qworker_startup_seconds", {"phase": "total"}) == 43.0
-    info = {"device": "cuda:0", "device_name": "NVIDIA H200", "dtype": "bfloat16", "block_size": "16"}
+    info = {
+        "device": "cuda:0", "device_name": "NVIDIA H200", "dtype": "bfloat16", "block_size": "16",
+        "cuda_graphs": "true",
+    }  # fmt: skip
     assert registry.get_sample_value("qworker_hardware_info", info) == 1.0
 
 

@@ -141,7 +141,7 @@ def child_main(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        kv_cache_memory_gb=args.kv_cache_gb,
+        kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
         max_num_seqs=args.max_num_seqs,
     )
     engine = load_engine_in_phases(config, timings)

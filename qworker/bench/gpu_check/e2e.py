@@ -54,7 +54,7 @@ def stage_e2e(sizes: Sizes, report: Report) -> dict[str, Any]:
         True,
         dtype=sizes.e2e_dtype,
         max_model_len=sizes.e2e_max_model_len,
-        kv_cache_memory_gb=sizes.e2e_kv_cache_gb,
+        kv_cache_memory_bytes=int(sizes.e2e_kv_cache_gb * 2**30),
         max_num_seqs=sizes.e2e_max_num_seqs,
         max_num_batched_tokens=sizes.e2e_max_num_batched_tokens,
         block_size=16,

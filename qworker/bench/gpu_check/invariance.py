@@ -377,7 +377,8 @@ def _engine(
         model="random-smollm2", device=sizes.device, dtype="bfloat16", attention_backend="triton",
         batch_invariant=batch_invariant, max_num_seqs=check.num_prompts,
         max_num_batched_tokens=sizes.e2e_max_num_batched_tokens, max_model_len=check.max_model_len,
-        kv_cache_memory_gb=check.kv_cache_gb, enable_prefix_caching=False, enforce_eager=enforce_eager,
+        kv_cache_memory_bytes=int(check.kv_cache_gb * 2**30), enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
     )  # fmt: skip
     engine = LLMEngine(config, hf_config=hf_model.config, state_dict=hf_model.state_dict())
     if sizes.device == "cpu" and not enforce_eager:

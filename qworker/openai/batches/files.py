@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qworker import envs
 from qworker.errors import QworkerError
 from qworker.openai.format import BatchInputLine
 
@@ -154,7 +155,7 @@ def upload(source: Path, location: Location) -> None:
 
 def cache_dir() -> Path:
     """qworker's cache folder (as for converted models): $QWORKER_CACHE_DIR or ~/.cache/qworker."""
-    return Path(os.environ.get("QWORKER_CACHE_DIR") or Path.home() / ".cache" / "qworker")
+    return envs.cache_dir()
 
 
 @dataclass(frozen=True)
