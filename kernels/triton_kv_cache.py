@@ -6,11 +6,10 @@ slot_mapping[t] = block_id * block_size + offset_in_block.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from qworker_kernels import envs
 from qworker_kernels.constants import FLOAT_DTYPES
 
 
@@ -86,7 +85,7 @@ def _write_kv_cache_kernel(
 # and V, 4 warps. "token_kv": one program per token and per K or V, with warps sized to the tile
 # (8 elements, 16 bytes of bf16, per thread). A candidate until a GPU run A/Bs it: the H200 run
 # measured "token" at 27-57% of copy bandwidth.
-KV_WRITE_ENV = "QWORKER_KV_WRITE"
+KV_WRITE_ENV = envs.QWORKER_KV_WRITE.name
 KV_WRITE_VARIANTS = ("token", "token_kv")
 DEFAULT_KV_WRITE = "token"
 
@@ -149,7 +148,7 @@ def write_kv_cache(
     `variant`: a KV_WRITE_VARIANTS launch shape; None reads QWORKER_KV_WRITE (default "token").
     """
     _check_args(k, v, k_cache, v_cache, slot_mapping)
-    variant = variant or os.environ.get(KV_WRITE_ENV) or DEFAULT_KV_WRITE
+    variant = variant or envs.QWORKER_KV_WRITE.get() or DEFAULT_KV_WRITE
     if variant not in KV_WRITE_VARIANTS:
         raise ValueError(f"{KV_WRITE_ENV} / variant must be one of {KV_WRITE_VARIANTS}, got {variant!r}")
     num_tokens, num_kv_heads, head_dim = k.shape

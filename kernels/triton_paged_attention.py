@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+from qworker_kernels import envs
 from qworker_kernels.constants import FLOAT_DTYPES, check_attention_extras
 from qworker_kernels.triton_common import _dot, dot_mode, is_interpreting
 
@@ -379,7 +379,7 @@ def choose_decode_num_splits(
         num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     else:
         num_sms = 4  # interpreter / CPU: keep the grid small
-    policy = os.environ.get(SPLIT_POLICY_ENV) or DEFAULT_SPLIT_POLICY
+    policy = envs.QWORKER_DECODE_SPLITS.get() or DEFAULT_SPLIT_POLICY
     return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, policy)
 
 
@@ -389,7 +389,7 @@ def choose_decode_num_splits(
 # is less than one wave (num_seqs * num_kv_heads < num_sms), where a step is latency-bound and the
 # extra reduce costs less than idle SMs (H200 sweep: batch 1 x 2048 best at 32 splits, "fill"
 # picks 8; batch 16 x 2048 best at 4, "fill" picks 3). A candidate until a GPU run A/Bs it.
-SPLIT_POLICY_ENV = "QWORKER_DECODE_SPLITS"
+SPLIT_POLICY_ENV = envs.QWORKER_DECODE_SPLITS.name
 SPLIT_POLICIES = ("fill", "wave")
 DEFAULT_SPLIT_POLICY = "fill"
 
