@@ -1,10 +1,30 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # Prompt tokens kept as context so the first output token decodes with its leading space
 # (SentencePiece tokenizers drop a leading space at the start of a decoded string).
 NUM_CONTEXT_TOKENS = 5
+
+
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """token ids -> text, as `tokenizer.decode(ids, skip_special_tokens=...)`. A fast tokenizer
+    that cleans up no spaces decodes in its Rust backend directly: the same text without the
+    Python wrapper, which cost 4-5x the decode itself (about 19 us against 3.3 us a call, two calls
+    per token, on the 2-core AVX2 EPYC)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+
+        def decode_in_backend(token_ids: list[int]) -> str:
+            return backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        return decode_in_backend
+
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    return decode
 
 
 class IncrementalDetokenizer:
@@ -34,18 +54,14 @@ class IncrementalDetokenizer:
         self._hold_back = max((len(s) for s in stop), default=1) - 1
         self.output_text = ""
         self._num_emitted_chars = 0
+        self._decode = _decoder(tokenizer, skip_special_tokens)
 
     def update(self, new_token_id: int) -> str | None:
         """Add one token. Returns the stop string if one now ends the text, else None."""
         self._token_ids.append(new_token_id)
-        decode = self.tokenizer.decode
-        prefix_text = decode(
-            self._token_ids[self._prefix_offset : self._read_offset],
-            skip_special_tokens=self.skip_special_tokens,
-        )
-        full_text = decode(
-            self._token_ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens
-        )
+        decode = self._decode
+        prefix_text = decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = decode(self._token_ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return None
         start = len(self.output_text)

@@ -3,16 +3,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
+from qworker.engine.input_processor import InputProcessor, Prompt, resolve_max_model_len
 from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.output_processor import OutputProcessor
-from qworker.engine.outputs import CompletionOutput, RequestError, RequestMetrics, RequestOutput, StepOutput
+from qworker.engine.outputs import RequestOutput, StepOutput
 from qworker.engine.parallel_sampling import ParentRequest, child_id, child_params
 from qworker.engine.request import Request, RequestStatus
 from qworker.engine.runner import ModelRunner
@@ -20,17 +20,13 @@ from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
 from qworker.engine.structured import StructuredOutputs
 from qworker.engine.structured.manager import StructuredOutputManager
-from qworker.engine.structured.tool_calls import template_messages
-from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError
+from qworker.errors import EngineStepError, InvalidRequestError
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from qworker.model.registry import model_config_from_hf
-from qworker.utils import cdiv
 
 __all__ = ["LLMEngine", "Prompt"]
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | dict[str, Any] | Sequence[int]
 
 
 class LLMEngine:
@@ -55,7 +51,7 @@ class LLMEngine:
             state_dict = load_state_dict(resolved.path)
         self.tokenizer = tokenizer
         self.model_config = model_config_from_hf(hf_config)
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -87,6 +83,9 @@ class LLMEngine:
             tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )
         self.output_processor = OutputProcessor(tokenizer, self.structured)
+        self.input_processor = InputProcessor(
+            tokenizer, config, self.model_config, self.max_model_len, self.runner.num_kv_blocks
+        )
         # n > 1 requests: their children are requests of their own in the scheduler.
         self._parallel = self.output_processor.parallel
         self.num_steps = 0
@@ -120,66 +119,16 @@ class LLMEngine:
     def attention_backend_name(self) -> str:
         return self.runner.backend.name
 
-    def _max_model_len(self) -> int:
-        mc = self.model_config
-        limit = mc.max_position_embeddings
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > limit:
-                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's {limit}")
-            limit = self.config.max_model_len
-        return limit
-
     # -- requests ----------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
-            raise InvalidRequestError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, Sequence):
-            return None, list(prompt)
-        raise InvalidRequestError(
-            f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}"
-        )
+        return self.input_processor.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not messages:
-            raise InvalidRequestError("messages is empty")
-        messages = template_messages(messages, self.tokenizer.chat_template or "")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.input_processor.apply_chat_template(messages)
 
     def validate_prompt_token_ids(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty (no tokens)")
-        vocab = self.model_config.vocab_size
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
-        blocks = cdiv(len(token_ids) + 1, self.config.block_size)
-        if blocks > self.num_kv_blocks:
-            raise PromptTooLongError(
-                f"prompt of {len(token_ids)} tokens needs {blocks} KV blocks; "
-                f"the cache holds {self.num_kv_blocks}"
-            )
-        if not self.config.enable_chunked_prefill and len(token_ids) > self.config.max_num_batched_tokens:
-            raise PromptTooLongError(
-                f"prompt of {len(token_ids)} tokens exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) with chunked prefill disabled"
-            )
+        self.input_processor.validate_prompt_token_ids(token_ids)
 
     def add_request(
         self,
@@ -349,16 +298,7 @@ class LLMEngine:
                 waiting.start()
                 continue
             logger.info("request %s failed: %s", waiting.request_id, error)
-            output = RequestOutput(
-                request_id=waiting.request_id,
-                prompt=None,
-                prompt_token_ids=[],
-                outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=None)],
-                finished=True,
-                metrics=RequestMetrics(time.time(), finished_time=time.time()),
-                error=RequestError(type(error).__name__, str(error)),
-            )
-            failed.append(StepOutput(waiting.request_id, [], "", True, None, output))
+            failed.append(self.output_processor.failed_before_start(waiting.request_id, error, time.time()))
         return failed
 
     def _release_prefilled_children(self) -> None:

@@ -173,6 +173,20 @@ class OutputProcessor:
         state.metrics.finished_time = now
         return self._make_output(state)
 
+    def failed_before_start(self, request_id: str, error: Exception, now: float) -> StepOutput:
+        """A request that never reached the scheduler (its grammar did not compile): finished,
+        failed, with nothing generated."""
+        output = RequestOutput(
+            request_id=request_id,
+            prompt=None,
+            prompt_token_ids=[],
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason=None)],
+            finished=True,
+            metrics=RequestMetrics(now, finished_time=now),
+            error=RequestError(type(error).__name__, str(error)),
+        )
+        return StepOutput(request_id, [], "", True, None, output)
+
     def route(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """The outputs as the caller sees them: n > 1 children folded into their parents."""
         if not self.parallel.has_children():
