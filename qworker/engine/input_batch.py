@@ -5,6 +5,7 @@ the blocks its table gained into the row's block table, in place."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +44,7 @@ class InputBatch:
         self.block_table = np.zeros((max_num_rows, max_blocks_per_row), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_rows, dtype=np.int64)  # [rows]
         self.requests: dict[str, CachedRequestState] = {}
-        self._free_rows = list(range(max_num_rows - 1, -1, -1))  # popped from the end: lowest first
+        self._free_rows = list(range(max_num_rows))  # a heap: the lowest free row first
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -51,7 +52,7 @@ class InputBatch:
     def add(self, new: NewRequestData) -> CachedRequestState:
         assert new.request_id not in self.requests, f"request {new.request_id} already has a row"
         assert self._free_rows, f"no free row for request {new.request_id}"
-        row = self._free_rows.pop()
+        row = heapq.heappop(self._free_rows)
         state = CachedRequestState(
             request_id=new.request_id,
             row=row,
@@ -71,8 +72,7 @@ class InputBatch:
         row = state.row
         self.block_table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
-        self._free_rows.append(row)
-        self._free_rows.sort(reverse=True)
+        heapq.heappush(self._free_rows, row)
 
     def update(self, item: ScheduledRequest) -> CachedRequestState:
         """Take one scheduled chunk: write the blocks the row lacks (tables only grow while a

@@ -224,3 +224,59 @@ def test_invariants_over_random_workloads(
     assert not scheduler.has_unfinished_requests(), "some request never finished"
     assert finished == {f"r{i}" for i in range(len(specs))}
     assert pool.num_free_blocks == num_blocks
+
+
+# -- token-level stops, applied as the scheduler takes a step's output ---------------------------
+
+
+def run_tokens(scheduler: Scheduler, request: Request, tokens: list[int]) -> list:
+    """Feed `tokens` to `request` one step each; the updates, until it finishes."""
+    scheduler.add_request(request)
+    updates = []
+    for token in tokens:
+        plan = scheduler.schedule()
+        (update,) = scheduler.update_from_output(plan, RunnerOutput(sampled={request.request_id: token}))
+        updates.append(update)
+        if request.is_finished:
+            break
+    return updates
+
+
+def test_eos_stops_only_after_min_tokens_and_hides_its_text() -> None:
+    scheduler = make_scheduler(eos_token_ids=[2])
+    request = Request("a", [5, 6], SamplingParams(max_tokens=8, min_tokens=2))
+    updates = run_tokens(scheduler, request, [2, 9, 2, 9])
+    assert [u.token_id for u in updates] == [2, 9, 2]
+    assert [u.is_eos_stop for u in updates] == [False, False, True]
+    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, None)
+    assert "a" not in scheduler.requests and scheduler.kv_cache_manager.stats().num_used_blocks == 0
+
+
+def test_stop_token_ids_length_and_context() -> None:
+    scheduler = make_scheduler(eos_token_ids=[2], max_model_len=5)
+    stopped = Request("s", [5], SamplingParams(max_tokens=8, stop_token_ids=[11], ignore_eos=True))
+    run_tokens(scheduler, stopped, [2, 11, 9])
+    assert (stopped.output_token_ids, stopped.status, stopped.stop_reason) == (
+        [2, 11],
+        RequestStatus.FINISHED_STOPPED,
+        11,
+    )
+    by_length = Request("l", [5], SamplingParams(max_tokens=2))
+    run_tokens(scheduler, by_length, [9, 9, 9])
+    assert (by_length.num_output_tokens, by_length.status) == (2, RequestStatus.FINISHED_LENGTH)
+    by_context = Request("c", [5, 6, 7], SamplingParams(max_tokens=8))
+    run_tokens(scheduler, by_context, [9, 9, 9])
+    assert (by_context.num_tokens, by_context.status) == (5, RequestStatus.FINISHED_LENGTH)
+
+
+def test_a_stop_string_turns_a_length_finish_into_a_stop() -> None:
+    scheduler = make_scheduler()
+    request = Request("a", [5], SamplingParams(max_tokens=1))
+    run_tokens(scheduler, request, [9])
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    scheduler.stop_at_string(request, "END")
+    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, "END")
+    running = Request("b", [5], SamplingParams(max_tokens=4))
+    run_tokens(scheduler, running, [9])
+    scheduler.stop_at_string(running, "END")
+    assert running.status is RequestStatus.FINISHED_STOPPED and "b" not in scheduler.requests
