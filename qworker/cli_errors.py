@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import typer
 
+from qworker.backends.errors import translate_error
 from qworker.errors import ConnectError, EngineFailedError, InvalidRequestError, QworkerError
 from qworker.worker.retry import BrokerOutageError
 
@@ -21,44 +22,13 @@ EXIT_ENGINE_FAILED = 4  # engine steps failed max_step_failures times in a row
 EXIT_BROKER_OUTAGE = 5  # the queue or results store was unreachable longer than --broker-outage-s
 EXIT_WAIT_TIMEOUT = 6  # `submit`: no result (or no stream output) within --timeout
 
-AWS_CREDENTIAL_SOURCES = (
-    "boto3 looked in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), the shared files "
-    "(~/.aws/credentials, ~/.aws/config, AWS_PROFILE) and the container or instance role"
-)
-
 
 def connection_problem(exc: BaseException) -> str | None:
-    """What went wrong, in a line, when `exc` is a client library's failure to reach or log in to
-    a server (redis-py, botocore, kombu); None for anything else."""
-    try:
-        import redis
-
-        if isinstance(exc, redis.AuthenticationError):
-            return f"the server refused the credentials: {exc}"
-        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            return str(exc) or type(exc).__name__
-    except ImportError:
-        pass
-    try:
-        import botocore.exceptions as boto
-
-        if isinstance(exc, (boto.NoCredentialsError, boto.PartialCredentialsError)):
-            return f"no AWS credentials found: {AWS_CREDENTIAL_SOURCES}"
-        if isinstance(exc, (boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ProfileNotFound)):
-            return str(exc)
-        if isinstance(exc, boto.ClientError):
-            error = exc.response.get("Error", {})
-            return f"the service answered {error.get('Code', '?')}: {error.get('Message', exc)}"
-    except ImportError:
-        pass
-    try:
-        from kombu.exceptions import OperationalError
-
-        if isinstance(exc, OperationalError):
-            return str(exc)
-    except ImportError:
-        pass
-    return None
+    """What went wrong, in a line, when `exc` is a store's failure as its backend reads it
+    (qworker/backends/errors.py: unreachable, refused credentials, an error answer); None for
+    anything else. The worker's retry reads the same translation."""
+    translated = translate_error(exc)
+    return None if translated is None else str(translated) or type(exc).__name__
 
 
 @contextmanager

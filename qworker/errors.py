@@ -78,3 +78,22 @@ class ModelDownloadError(QworkerError):
 
 class MissingDependencyError(QworkerError):
     """A feature was asked for whose library is not installed; the message names the extra."""
+
+
+class BrokerError(QworkerError):
+    """A queue's or result store's client library failed, as its backend reads the failure
+    (qworker/backends/*/errors.py). The library's own exception is the `__cause__`. A plain
+    BrokerError is an answer no retry changes and no setting explains (an unknown service error);
+    the subclasses say which of the two it is."""
+
+
+class TransientBrokerError(BrokerError, ConnectionError):
+    """The store is away or overloaded for now: unreachable, a connection cut or timed out,
+    throttled, a 5xx, a replica not yet promoted. The worker retries with backoff (worker/retry.py)
+    until --broker-outage-s. A builtin ConnectionError too, so that code that catches those (the
+    RabbitMQ backend raised them before this class existed) keeps catching these."""
+
+
+class BrokerConfigurationError(BrokerError):
+    """The store refuses what it was given, and will until an operator fixes it: wrong or missing
+    credentials, no permission, a queue or bucket that does not exist or was declared otherwise."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal
@@ -84,7 +85,9 @@ class Requirement:
     extra: str
 
     def is_installed(self) -> bool:
-        return importlib.util.find_spec(self.module) is not None
+        # An imported one is installed; and find_spec raises on kombu once it is imported (kombu
+        # replaces its module in sys.modules with one that has no __spec__).
+        return self.module in sys.modules or importlib.util.find_spec(self.module) is not None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Riding out a broker outage: which errors are transient, how long to wait between tries, and
 when to give up.
 
+Which errors are transient is each backend's reading of its client library's errors
+(qworker/backends/*/errors.py, walked by qworker/backends/errors.py); this module only asks.
 The worker loop owns one `BrokerOutage`. A broker call that fails with a transient error
 (`is_transient`) opens the outage (or counts one more failure in it); the next try waits an
 exponentially growing, jittered delay; the first call that succeeds closes it. When an outage
@@ -13,8 +15,8 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
+from qworker.backends.errors import is_transient as backends_is_transient
 from qworker.errors import QworkerError
 
 logger = logging.getLogger(__name__)
@@ -22,14 +24,6 @@ logger = logging.getLogger(__name__)
 # The first retry after this long, doubling per failure up to MAX_BACKOFF_S.
 BASE_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
-# A Redis call that hangs (a partitioned network, not a refused connection) fails after this long,
-# so that the outage clock keeps running. Longer than any blocking read the worker makes.
-SOCKET_TIMEOUT_S = 10.0
-SOCKET_CONNECT_TIMEOUT_S = 5.0
-
-# Reply prefixes of a Redis that is up but cannot serve writes yet: a replica promoted by a
-# failover that still reads-only, a primary whose replicas are down, a cluster slot moving.
-_TRANSIENT_REPLY_PREFIXES = ("READONLY", "MASTERDOWN", "LOADING", "TRYAGAIN", "CLUSTERDOWN")
 
 
 class BrokerOutageError(QworkerError):
@@ -41,34 +35,10 @@ class BrokerOutageError(QworkerError):
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether `exc` says the broker is away for now (retry) rather than that the call is wrong.
-
-    Redis: ConnectionError (BusyLoadingError, a server still loading its AOF, is one), TimeoutError,
-    ReadOnlyError and the other replies in _TRANSIENT_REPLY_PREFIXES; plain socket errors. On a
-    cluster, redis-py's ClusterError ("TTL exhausted": it followed MOVED, ASK or TRYAGAIN replies
-    as often as it would while a slot moved or a node failed over) and SlotNotCoveredError.
-    """
-    try:
-        import redis
-    except ImportError:  # pragma: no cover - redis is a dependency
-        return isinstance(exc, (ConnectionError, TimeoutError))
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)):
-        return True
-    if isinstance(exc, (redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError)):
-        return True
-    if isinstance(exc, redis.ResponseError):
-        return str(exc).startswith(_TRANSIENT_REPLY_PREFIXES)
-    return isinstance(exc, (ConnectionError, TimeoutError))
-
-
-def bound_socket_timeouts(redis_client: Any) -> Any:
-    """Give a redis.Redis client finite socket timeouts (new connections use them)."""
-    kwargs = redis_client.connection_pool.connection_kwargs
-    if kwargs.get("socket_timeout") is None:
-        kwargs["socket_timeout"] = SOCKET_TIMEOUT_S
-    if kwargs.get("socket_connect_timeout") is None:
-        kwargs["socket_connect_timeout"] = SOCKET_CONNECT_TIMEOUT_S
-    return redis_client
+    """Whether `exc` says the broker is away for now (retry) rather than that the call is wrong:
+    whether its backend reads it as a TransientBrokerError (qworker/backends/errors.py asks each
+    backend's errors.py; the CLI's exit codes read the same translation)."""
+    return backends_is_transient(exc)
 
 
 class BrokerOutage:

@@ -1,6 +1,6 @@
-"""Riding out a broker outage: the backoff schedule, the outage clock and which errors are
-transient (retry.py), and the worker loop on an in-memory source and sink that fail like an
-unreachable Redis for a while (no model, no Redis server)."""
+"""Riding out a broker outage: the backoff schedule, the outage clock, which errors are transient
+(each backend's errors.py, read by retry.py and the CLI alike), and the worker loop on an in-memory
+source and sink that fail like an unreachable Redis for a while (no model, no Redis server)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,18 @@ import json
 import random
 from typing import Any
 
+import amqp  # type: ignore[import-untyped]
+import botocore.exceptions as boto
+import kombu.exceptions
 import pytest
 import redis
 
+from qworker.backends import BACKENDS
+from qworker.backends.errors import backend_errors, backend_packages, translate_error
 from qworker.backends.memory.queue import Journal, MemoryQueue, MemorySource
 from qworker.backends.memory.results import MemoryResultSink
+from qworker.cli_errors import connection_problem
+from qworker.errors import BrokerConfigurationError, BrokerError, TransientBrokerError
 from qworker.health import HealthState
 from qworker.jobs.job import JobStatus
 from qworker.testing.fake_engine import FakeEngine
@@ -21,6 +28,11 @@ from qworker.worker.retry import BrokerOutage, BrokerOutageError, is_transient
 from qworker.worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def client_error(code: str, status: int) -> boto.ClientError:
+    response: Any = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return boto.ClientError(response, "Op")
 
 
 class FakeClock:
@@ -71,11 +83,81 @@ def test_outage_clock_opens_closes_and_gives_up_at_the_limit() -> None:
         (ConnectionResetError("reset by peer"), True),
         (redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False),
         (redis.ResponseError("NOGROUP No such key"), False),
+        # A wrong password is a ConnectionError to redis-py, yet no retry fixes it.
+        (redis.AuthenticationError("WRONGPASS invalid username-password pair"), False),
         (ValueError("a bug"), False),
+        # botocore's connection errors subclass no builtin: the S3 cancel-flag poll's
+        # ConnectionClosedError stopped the worker 7 s into an endpoint cut (issue 37).
+        (boto.ConnectionClosedError(endpoint_url="http://127.0.0.1:1/b?list-type=2"), True),
+        (boto.EndpointConnectionError(endpoint_url="http://127.0.0.1:1/"), True),
+        (boto.ReadTimeoutError(endpoint_url="http://127.0.0.1:1/"), True),
+        (boto.ConnectTimeoutError(endpoint_url="http://127.0.0.1:1/"), True),
+        (client_error("ThrottlingException", 400), True),
+        (client_error("SlowDown", 503), True),
+        (client_error("InternalError", 500), True),
+        (boto.NoCredentialsError(), False),
+        (client_error("AccessDenied", 403), False),
+        (client_error("InvalidParameterValue", 400), False),
+        (amqp.exceptions.ConnectionForced("broker forced connection closure"), True),
+        (amqp.exceptions.AccessRefused("ACCESS_REFUSED - Login was refused"), False),
+        (kombu.exceptions.OperationalError("[Errno 111] Connection refused"), True),
     ],
 )
 def test_which_errors_are_transient(exc: Exception, expected: bool) -> None:
     assert is_transient(exc) is expected
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind", "line"),
+    [
+        (boto.NoCredentialsError(), BrokerConfigurationError, "no AWS credentials found: boto3 looked in"),
+        (
+            client_error("QueueDoesNotExist", 400),
+            BrokerConfigurationError,
+            "the service answered QueueDoesNotExist",
+        ),
+        (client_error("NoSuchBucket", 404), BrokerConfigurationError, "the service answered NoSuchBucket"),
+        (
+            client_error("InvalidParameterValue", 400),
+            BrokerError,
+            "the service answered InvalidParameterValue",
+        ),
+        (boto.EndpointConnectionError(endpoint_url="http://h:1/"), TransientBrokerError, "Could not connect"),
+        (
+            redis.AuthenticationError("WRONGPASS"),
+            BrokerConfigurationError,
+            "the server refused the credentials",
+        ),
+        (redis.ConnectionError("Error 111"), TransientBrokerError, "Error 111"),
+        (
+            amqp.exceptions.AccessRefused("Login was refused"),
+            BrokerConfigurationError,
+            "RabbitMQ refused the login",
+        ),
+        (ConnectionResetError("reset by peer"), TransientBrokerError, "reset by peer"),
+    ],
+)
+def test_one_translation_for_the_loop_and_the_cli(exc: Exception, kind: type, line: str) -> None:
+    translated = translate_error(exc)
+    assert type(translated) is kind and translated.__cause__ is exc
+    # The CLI's line for an exit code is the same translation's message.
+    problem = connection_problem(exc)
+    assert problem == str(translated) and problem.startswith(line), problem
+    assert is_transient(exc) is (kind is TransientBrokerError)
+
+
+def test_a_bug_is_no_store_failure() -> None:
+    for exc in (ValueError("a bug"), KeyError("k"), redis.ResponseError("WRONGTYPE")):
+        assert translate_error(exc) is None and connection_problem(exc) is None
+
+
+def test_every_backend_package_reads_its_own_library_errors() -> None:
+    packages = backend_packages()
+    assert set(packages) == set(BACKENDS.values())
+    for package in packages:
+        errors = backend_errors(package)
+        assert all(isinstance(name, str) for name in errors.libraries), package
+        assert errors.translate(ValueError("a bug")) is None, package
 
 
 # -- the loop ---------------------------------------------------------------------------------

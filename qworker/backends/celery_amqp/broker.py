@@ -11,9 +11,9 @@ declarations, and the mapping of broker failures onto what the worker loop retri
   consumer_timeout on a delivery left unacked too long) takes its unacked deliveries with it, and
   the broker requeues them. Each channel gets a new generation number; a delivery tag is only
   meaningful with its generation, and a lease of an older generation is lost (extend says so).
-- Errors: a connection or channel failure resets the channel and is raised as the builtin
-  ConnectionError, which the loop treats as a broker outage (retry.is_transient): it backs off,
-  and the next call reconnects.
+- Errors: a connection or channel failure resets the channel and is raised as qworker's
+  TransientBrokerError (errors.py reads it), which the loop treats as a broker outage: it backs
+  off, and the next call reconnects. A refused login is a BrokerConfigurationError instead.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from qworker.backends.celery_amqp.errors import translate_call_error
 from qworker.backends.celery_amqp.url import AmqpQueue
+from qworker.errors import BrokerConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +34,9 @@ T = TypeVar("T")
 PIDBOX_EXCHANGE = "celery.pidbox"
 
 
-class AmqpQueueMismatch(RuntimeError):
-    """The queue exists with other arguments than the URL's (RabbitMQ's PRECONDITION_FAILED)."""
+class AmqpQueueMismatch(BrokerConfigurationError):
+    """The queue exists with other arguments than the URL's (RabbitMQ's PRECONDITION_FAILED), or
+    does not exist under declare=false."""
 
 
 class AmqpBroker:
@@ -106,7 +109,8 @@ class AmqpBroker:
             _close_quietly(connection)
 
     def call(self, what: str, fn: Callable[[Any], T]) -> T:
-        """`fn(channel)`; a broker failure resets the channel and raises ConnectionError."""
+        """`fn(channel)`; a broker failure resets the channel and raises TransientBrokerError (a
+        refused login: BrokerConfigurationError)."""
         import amqp  # type: ignore[import-untyped]
 
         try:
@@ -119,7 +123,7 @@ class AmqpBroker:
             # them) closes the channel; a connection error the connection. Either way: anew.
             logger.warning("RabbitMQ: %s failed (%s: %s); reconnecting", what, type(exc).__name__, exc)
             self.reset()
-            raise ConnectionError(f"RabbitMQ: {what}: {exc}") from exc
+            raise translate_call_error(exc, what) from exc
 
     def close(self) -> None:
         self.reset()

@@ -74,6 +74,11 @@ _REDIS_TEXT_PARAMS = {
 # concurrent stream failed with MaxConnectionsError. The server's own limit (maxclients, 10,000 by
 # default) is the one that matters.
 REDIS_MAX_CONNECTIONS = 10_000
+# A worker's Redis call that hangs (a partitioned network, not a refused connection) fails after
+# this long, so that the worker's outage clock keeps running. Longer than any blocking read the
+# worker makes.
+SOCKET_TIMEOUT_S = 10.0
+SOCKET_CONNECT_TIMEOUT_S = 5.0
 
 
 def _init_params(cls: type) -> set[str]:
@@ -117,10 +122,8 @@ def parse_redis_url(url: str, own_params: set[str] = URL_PARAMS) -> ParsedURL:
 def redis_client(connection_url: str) -> Any:  # a redis.Redis, or a RedisCluster
     """The client of a URL without qworker's parameters. A cluster or Sentinel client gets the
     worker's finite socket timeouts unless the URL sets its own (a plain one gets them from
-    retry.bound_socket_timeouts where the worker needs them)."""
+    bound_socket_timeouts where the worker needs them)."""
     import redis
-
-    from qworker.worker.retry import SOCKET_CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
 
     scheme = url_scheme(connection_url)
     topology = {
@@ -142,11 +145,19 @@ def redis_client(connection_url: str) -> Any:  # a redis.Redis, or a RedisCluste
 
 def worker_client(connection_url: str) -> Any:
     """redis_client with finite socket timeouts on every kind of client (the worker's side)."""
-    from qworker.worker.retry import bound_socket_timeouts
-
     client = redis_client(connection_url)
     is_cluster = url_scheme(connection_url) in (CLUSTER_SCHEME, CLUSTER_TLS_SCHEME)
     return client if is_cluster else bound_socket_timeouts(client)
+
+
+def bound_socket_timeouts(client: Any) -> Any:
+    """Give a redis.Redis client finite socket timeouts (new connections use them)."""
+    kwargs = client.connection_pool.connection_kwargs
+    if kwargs.get("socket_timeout") is None:
+        kwargs["socket_timeout"] = SOCKET_TIMEOUT_S
+    if kwargs.get("socket_connect_timeout") is None:
+        kwargs["socket_connect_timeout"] = SOCKET_CONNECT_TIMEOUT_S
+    return client
 
 
 def key_layout(url: str) -> keys.KeyLayout:

@@ -29,6 +29,7 @@ from typing import Any
 
 from qworker.backends.aws import aws_client, aws_parts
 from qworker.backends.source import JobSource, Lease
+from qworker.backends.sqs.errors import translate_error
 from qworker.backends.sqs.layout import (
     ATTR_JOB_ID,
     MAX_BATCH,
@@ -40,6 +41,7 @@ from qworker.backends.sqs.layout import (
     redrive_policy,
 )
 from qworker.backends.urls import url_number
+from qworker.errors import TransientBrokerError
 
 logger = logging.getLogger(__name__)
 # After a receive without wait came back empty, skip receives without wait for this long: a
@@ -140,7 +142,10 @@ class SqsSource(JobSource):
             return
         try:
             lease.body = self.s3.get_object(Bucket=location.bucket, Key=location.key)["Body"].read()
-        except Exception as exc:  # a missing object or a denied read: the job cannot run anywhere
+        except Exception as exc:
+            if isinstance(translate_error(exc), TransientBrokerError):
+                raise  # S3 is away, not the job at fault: its message comes back after the lease
+            # A missing object or a denied read: the job cannot run anywhere.
             lease.rejection = f"cannot read the job payload {location}: {exc}"
             lease.body = b""
             return
