@@ -5,12 +5,12 @@ the mode off (its stats carry `hardware.batch_invariant`). See docs/reproducibil
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 from typing import Any
 
 from qworker.config import EngineConfig
+from qworker.openai.batches.invariance import workers_without_invariance
 
 logger = logging.getLogger(__name__)
 
@@ -30,31 +30,6 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def workers_without_invariance(sink: Any) -> list[str] | None:
-    """Names of the live workers whose stats show batch_invariant off (or no such field: an older
-    worker); None where the result store keeps no worker stats this can read."""
-    redis = getattr(sink, "redis", None)
-    prefix = getattr(sink, "prefix", None)
-    if redis is None or prefix is None:
-        return None
-    from qworker.backends.redis import keys
-
-    key_prefix = keys.worker_stats_prefix(prefix)
-    names = []
-    for key in redis.scan_iter(match=key_prefix.replace("*", "\\*") + "*", count=500):
-        payload = redis.get(key)
-        if payload is None:
-            continue
-        name = (key.decode() if isinstance(key, bytes) else key)[len(key_prefix) :]
-        try:
-            hardware = json.loads(payload).get("hardware") or {}
-        except (ValueError, AttributeError):
-            continue
-        if not hardware.get("batch_invariant", False):
-            names.append(name)
-    return sorted(names)
 
 
 def warn_unless_pool_is_invariant(sink: Any) -> None:

@@ -323,7 +323,16 @@ def test_openai_client_batches_equal_local_qworker_batch_row_by_row(gateway, wor
         assert done.request_counts.model_dump() == {"total": total, "completed": total, "failed": 0}
         assert done.in_progress_at and done.finalizing_at and done.completed_at and done.error_file_id is None
         assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
-        lines += output_lines(client, done.output_file_id)
+        batch_lines = output_lines(client, done.output_file_id)
+        # As OpenAI fills them: the model, and the usage summed over the output's lines.
+        usages = [line.response.body.usage for line in batch_lines if line.response is not None]
+        assert done.model == MODEL_NAME and done.usage is not None
+        assert done.usage.input_tokens == sum(u.prompt_tokens for u in usages) > 0
+        assert done.usage.output_tokens == sum(u.completion_tokens for u in usages) > 0
+        assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+        # The worker runs --batch-invariant: no warning that rows may differ from a local run.
+        assert not (done.metadata or {}).get("qworker_warning")
+        lines += batch_lines
     assert sorted(line.custom_id for line in lines) == sorted(local_lines)
     differing = [
         line.custom_id

@@ -48,7 +48,7 @@ def _option(args: list[str], name: str) -> str:
 
 def test_dockerfile_installs_the_gateway_extra_without_torch_as_non_root():
     text = DOCKERFILE.read_text()
-    assert re.search(r'pip install "\.\[gateway\]"', text)
+    assert re.search(r'pip install "\.\[gateway,aws\]"', text)
     # No torch is installed, and the build fails should a dependency bring one in.
     assert "TORCH_INDEX_URL" not in text and ".[engine" not in text
     assert "find_spec('torch') is None" in text

@@ -1,13 +1,15 @@
-"""lm-evaluation-harness, unchanged and installed in the test environment: `lm_eval --model
-local-completions` runs a multiple-choice (loglikelihood) task and a generate_until task from local
-JSONL files (tests/data/lm_eval) through the gateway and the SmolLM2 worker (fp32), with no network
-and no tokenizer of its own (its remote backend reads /tokenizer_info and /tokenize). Its
+"""lm-evaluation-harness, unchanged and installed in the test environment: the `lm_eval --model
+local-completions` command of docs/gateway.md, as written there (HOST, KEY and TASKS filled in),
+runs a multiple-choice (loglikelihood) task and a generate_until task from local JSONL files
+(tests/data/lm_eval) through the gateway (with API keys) and the SmolLM2 worker (fp32), with no
+network and no tokenizer of its own (its remote backend reads /tokenizer_info and /tokenize). Its
 loglikelihoods equal the sums of qworker's own prompt_logprobs for the same tokens to 1e-4."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,21 @@ from qworker.jobs.job import Job
 from tests.gateway.conftest import API_KEY
 
 TASKS_DIR = Path(__file__).parent.parent / "data" / "lm_eval"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+
+
+def documented_command(base_url: str, key: str, tasks: str) -> tuple[dict[str, str], list[str]]:
+    """The lm_eval command of docs/gateway.md with its placeholders filled in: (its environment
+    assignments, its argv)."""
+    text = DOCS.read_text()
+    block = text[text.index("OPENAI_API_KEY=KEY lm_eval") :].split("```", 1)[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    filled = [
+        w.replace("http://HOST:8000/v1", base_url).replace("=KEY", f"={key}").replace("TASKS", tasks)
+        for w in words
+    ]
+    env = dict(w.split("=", 1) for w in filled[: filled.index("lm_eval")])
+    return env, filled[filled.index("lm_eval") + 1 :]
 
 
 def lm_eval_command() -> list[str]:
@@ -41,28 +58,21 @@ def encode_pair(tokenizer: GatewayTokenizer, context: str, continuation: str) ->
 @pytest.mark.timeout(240)
 def test_lm_eval_local_completions(gateway, worker, store, tmp_path):
     output = tmp_path / "out"
+    documented_env, documented_args = documented_command(gateway.base_url, API_KEY, "qworker_mc,qworker_gen")
+    assert documented_env == {"OPENAI_API_KEY": API_KEY}
     env = {
         **os.environ,
+        **documented_env,
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
         "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
-        "OPENAI_API_KEY": API_KEY,
     }
-    model_args = (
-        f"base_url={gateway.base_url}/completions,model=smollm2,tokenizer_backend=remote,"
-        f"auth_token={API_KEY},num_concurrent=2,max_retries=1"
-    )
     done = subprocess.run(
         [
             *lm_eval_command(),
-            "--model",
-            "local-completions",
-            "--model_args",
-            model_args,
-            "--tasks",
-            "qworker_mc,qworker_gen",
+            *documented_args,
             "--include_path",
             str(TASKS_DIR),
             "--log_samples",

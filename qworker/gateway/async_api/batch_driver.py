@@ -42,6 +42,7 @@ from qworker.gateway.async_api.records import Records
 from qworker.gateway.settings import GatewaySettings
 from qworker.jobs.client import Client
 from qworker.openai.batches.files import BatchLocationError, iter_rows
+from qworker.openai.batches.invariance import INVARIANCE_WARNING_KEY, invariance_warning
 from qworker.openai.batches.output import BatchOutput
 from qworker.openai.batches.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
 from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
@@ -254,9 +255,22 @@ class BatchDriver:
             self._finish(batch, owner, BatchStatus.CANCELLED)
             return False
         batch["request_counts"]["total"] = checked.num_rows
+        self._note_invariance(batch)
         set_status(batch, BatchStatus.IN_PROGRESS)
         self._save(batch, owner)
         return True
+
+    def _note_invariance(self, batch: dict[str, Any]) -> None:
+        """Say in the batch's metadata when the pool's workers run without --batch-invariant: its
+        rows may then differ from a local `qworker batch` run of the same file."""
+        try:
+            warning = invariance_warning(self.client.sink)
+        except Exception as exc:  # a warning's check must never fail the batch
+            logger.debug("batch %s: could not read the workers' stats: %s", batch["id"], exc)
+            return
+        if warning is not None:
+            logger.warning("batch %s: %s", batch["id"], warning)
+            batch["metadata"] = {**(batch.get("metadata") or {}), INVARIANCE_WARNING_KEY: warning}
 
     def _run(self, batch: dict[str, Any], owner: str, lost: threading.Event) -> None:
         batch_id = batch["id"]
@@ -351,6 +365,8 @@ class BatchDriver:
         output_parts, error_parts = self._parts(batch["id"])
         batch["output_file_id"] = self._publish(output_parts, f"{batch['id']}_output.jsonl", owner, expiry_s)
         batch["error_file_id"] = self._publish(error_parts, f"{batch['id']}_error.jsonl", owner, expiry_s)
+        # Summed over the output's lines, one per row whichever run or replica wrote it.
+        batch["usage"] = output_parts.usage.to_dict()
         for parts in (output_parts, error_parts):
             parts.delete_parts()
 

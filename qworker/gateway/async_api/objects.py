@@ -108,6 +108,8 @@ def batch_object(
     completion_window: str,
     metadata: dict[str, str] | None,
     now: int | None = None,
+    *,
+    model: str | None = None,
 ) -> dict[str, Any]:
     created = int(now if now is not None else time.time())
     return {
@@ -131,6 +133,9 @@ def batch_object(
         "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": metadata,
+        # The model the pool serves; usage is summed from the output when the batch ends.
+        "model": model,
+        "usage": None,
     }
 
 

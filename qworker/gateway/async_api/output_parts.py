@@ -24,6 +24,8 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from qworker.gateway.async_api.file_store import FileStore
 from qworker.gateway.async_api.records import Records
@@ -34,6 +36,36 @@ logger = logging.getLogger(__name__)
 
 PART_MAX_LINES = 1000
 PART_MAX_BYTES = 4 * 2**20
+
+
+@dataclass
+class BatchUsage:
+    """Tokens of a batch's output lines, as OpenAI's batch object reports them (`usage`)."""
+
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    def add_line(self, raw: bytes) -> None:
+        try:
+            usage = json.loads(raw)["response"]["body"]["usage"]
+        except (ValueError, KeyError, TypeError):
+            return  # an error line, or a body without usage
+        if not isinstance(usage, dict):
+            return
+        self.input_tokens += int(usage.get("prompt_tokens") or 0)
+        self.output_tokens += int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens += int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
 
 
 def _custom_id(raw: bytes) -> str | None:
@@ -66,6 +98,8 @@ class OutputParts:
         self._first_at = 0.0
         self._num_parts = 0
         self.num_lines_written = 0
+        # The tokens of the lines join_into wrote (one per custom_id).
+        self.usage = BatchUsage()
 
     def part_ids(self) -> list[str]:
         return [raw.decode() for raw in self.records.redis.lrange(self.list_key, 0, -1)]
@@ -133,6 +167,7 @@ class OutputParts:
                     if custom_id is None or custom_id in seen:
                         continue
                     seen.add(custom_id)
+                    self.usage.add_line(raw)
                     line = raw if raw.endswith(b"\n") else raw + b"\n"
                     writer.write(line)
                     num_bytes += len(line)

@@ -56,7 +56,7 @@ def owned_batch(records: Records, batch_id: str, owner: str) -> dict[str, Any]:
     return batch
 
 
-def _create(records: Records, owner: str, body: CreateBatch) -> dict[str, Any]:
+def _create(records: Records, owner: str, body: CreateBatch, model: str) -> dict[str, Any]:
     if body.endpoint not in SUPPORTED_URLS:
         raise GatewayError(
             400, f"endpoint must be one of {sorted(SUPPORTED_URLS)}, got {body.endpoint!r}", param="endpoint"
@@ -72,7 +72,12 @@ def _create(records: Records, owner: str, body: CreateBatch) -> dict[str, Any]:
     if body.output_expires_after is not None:
         output_expiry_s = expiry_seconds(body.output_expires_after, "output_expires_after")
     batch = batch_object(
-        new_id("batch"), body.endpoint, body.input_file_id, body.completion_window, body.metadata
+        new_id("batch"),
+        body.endpoint,
+        body.input_file_id,
+        body.completion_window,
+        body.metadata,
+        model=model,
     )
     if output_expiry_s is not None:
         records.put(BATCH_OPTIONS_KIND, batch["id"], {"output_expiry_s": output_expiry_s})
@@ -88,14 +93,14 @@ async def create_batch(body: CreateBatch, request: Request) -> Any:
     owner = request_owner(request)
     key = request.headers.get("idempotency-key")
     if key is None:
-        return await anyio.to_thread.run_sync(_create, records, owner, body)
+        return await anyio.to_thread.run_sync(_create, records, owner, body, api.settings.model)
     idempotency = api.idempotency()
     raw = body.model_dump(mode="json")
     replay = await anyio.to_thread.run_sync(idempotency.begin, owner, IDEMPOTENCY_SCOPE, key, raw)
     if replay is not None:
         return JSONResponse(replay.body, status_code=replay.status_code)
     try:
-        batch = await anyio.to_thread.run_sync(_create, records, owner, body)
+        batch = await anyio.to_thread.run_sync(_create, records, owner, body, api.settings.model)
     except BaseException:
         await anyio.to_thread.run_sync(idempotency.abandon, owner, IDEMPOTENCY_SCOPE, key)
         raise
