@@ -14,9 +14,10 @@ decode steps differ slightly (one more token of context each).
 
 `--num-seqs 1,32,256` measures instead the host time outside the model forward per decode step
 (scheduling, input tensors, sampling, detokenizing, bookkeeping): step wall time minus the time in
-the decoder forward and the lm_head, median over `--repeats` steps with that many sequences all
-decoding (greedy, 16-token random prompts). `--model tiny` runs it on a tiny random Llama with the
-SmolLM2 tokenizer, so that the forward is small and the host part dominates.
+the decoder forward and the lm_head (the sampler's share shown apart), median over `--repeats`
+steps with that many sequences all decoding (greedy, 16-token random prompts). `--model tiny`
+runs it on a tiny random Llama with the SmolLM2 tokenizer, so that the forward is small and the
+host part dominates.
 
     .venv/bin/python scripts/profile_step.py --model tiny --num-seqs 1,32,256 --repeats 30
 """
@@ -162,19 +163,21 @@ def host_time_per_decode_step(engine: LLMEngine, num_seqs: int, repeats: int) ->
 
     runner = engine.runner
     forward_s = [0.0]
+    sample_s = [0.0]
 
-    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(fn: Callable[..., Any], seconds: list[float]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                forward_s[0] += time.perf_counter() - start
+                seconds[0] += time.perf_counter() - start
 
         return run
 
-    runner._forward = timed(runner._forward)  # type: ignore[method-assign]
-    runner.model.compute_logits = timed(runner.model.compute_logits)  # type: ignore[method-assign]
+    runner._forward = timed(runner._forward, forward_s)  # type: ignore[method-assign]
+    runner.model.compute_logits = timed(runner.model.compute_logits, forward_s)  # type: ignore[method-assign]
+    runner.sampler.sample = timed(runner.sampler.sample, sample_s)  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=repeats + 8, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [100 + (i * 7919 + j * 104729) % 48000 for j in range(16)]
@@ -182,21 +185,26 @@ def host_time_per_decode_step(engine: LLMEngine, num_seqs: int, repeats: int) ->
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     engine.step()  # the first all-decode step settles the allocator
-    totals, forwards = [], []
+    totals, forwards, samples = [], [], []
     for _ in range(repeats):
-        forward_s[0] = 0.0
+        forward_s[0] = sample_s[0] = 0.0
         start = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - start)
         forwards.append(forward_s[0])
+        samples.append(sample_s[0])
     while engine.has_unfinished_requests():
         engine.step()
-    del runner._forward, runner.model.compute_logits
+    del runner._forward, runner.model.compute_logits, runner.sampler.sample
     hosts = [t - f for t, f in zip(totals, forwards, strict=True)]
     return {
         "step_ms": statistics.median(totals) * 1000,
         "forward_ms": statistics.median(forwards) * 1000,
         "host_ms": statistics.median(hosts) * 1000,
+        # Of the host time: the sampler (greedy argmax over [num_seqs, vocab] logits here).
+        "sample_ms": statistics.median(samples) * 1000,
+        "host_without_sample_ms": statistics.median(h - s for h, s in zip(hosts, samples, strict=True))
+        * 1000,
     }
 
 
@@ -213,7 +221,8 @@ def main_host_time(args: argparse.Namespace) -> None:
         print(
             f"{num_seqs:4d} seqs: step {figures['step_ms']:8.2f} ms, "
             f"forward {figures['forward_ms']:8.2f} ms, "
-            f"host outside the forward {figures['host_ms']:7.2f} ms",
+            f"host outside the forward {figures['host_ms']:7.2f} ms "
+            f"(sampler {figures['sample_ms']:6.2f}, the rest {figures['host_without_sample_ms']:6.2f})",
             flush=True,
         )
     if args.json:

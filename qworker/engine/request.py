@@ -66,8 +66,8 @@ class Request:
     # prompt but does not report those positions again.
     logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
-    # With sampling_params.structured_outputs: this completion's matcher, advanced by the engine
-    # after each step; the runner masks this request's logits with it. The scheduler ignores it.
+    # With sampling_params.structured_outputs: this completion's matcher, advanced by the
+    # scheduler as it takes each step's output; the plan carries its mask to the runner.
     grammar: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

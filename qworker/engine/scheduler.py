@@ -65,6 +65,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_plan: list[str] = []
         self._next_arrival_index = 0
+        # Requests here with a grammar: while there are none, a plan looks for no masks.
+        self._num_constrained = 0
         self.num_preemptions = 0
         # Prompt tokens the model computed (prefix-cache hits excluded, recompute after
         # preemption included): the prefill work done.
@@ -86,6 +88,8 @@ class Scheduler:
         request.arrival_index = arrival_index
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self._num_constrained += 1
         heapq.heappush(self._waiting, (self._sort_key(request), request.request_id))
 
     @property
@@ -121,6 +125,8 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = status
+        if request.grammar is not None:
+            self._num_constrained -= 1
         self.kv_cache_manager.free(request_id)
         self._finished_since_last_plan.append(request_id)
         return request
@@ -255,6 +261,8 @@ class Scheduler:
 
     def _grammar_rows(self, scheduled: list[ScheduledRequest]) -> GrammarRows | None:
         """The masks of the constrained requests among those the step samples."""
+        if self._num_constrained == 0:
+            return None
         states = []
         request_ids = []
         for item in scheduled:
@@ -319,7 +327,8 @@ class Scheduler:
         params = request.sampling_params
         status: RequestStatus | None = None
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        if request.num_output_tokens >= params.min_tokens:
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
             if is_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
@@ -334,7 +343,7 @@ class Scheduler:
             elif grammar.is_stopped:
                 # The grammar is complete: nothing else may follow, so stop without an EOS.
                 status = RequestStatus.FINISHED_STOPPED
-        if status is None and request.num_output_tokens >= params.max_tokens:
+        if status is None and num_output_tokens >= params.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is None and self.max_model_len is not None and request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH

@@ -26,7 +26,9 @@ class NewRequestData:
     num_scored_prompt_tokens: int
 
 
-@dataclass(frozen=True)
+# Not frozen: one per scheduled request and step, and a frozen dataclass costs 5x to build
+# (2.1 against 0.4 us with six fields, on the 2-core AVX2 EPYC). Nothing changes them.
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute KV for `token_ids` at positions from `start_position`."""
 
@@ -69,7 +71,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per token and step: not frozen, as ScheduledRequest
 class RequestUpdate:
     """One token a request took (sampled, or forced by its grammar), as the scheduler applied it:
     the request (read-only past the scheduler) has the token appended, and is finished when a

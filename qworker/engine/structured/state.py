@@ -1,10 +1,11 @@
-"""One completion's grammar state, kept on its Request (the scheduler never sees it), and the
-per-step batch operations over many of them: fill the masks of the rows a step samples, advance
-the matchers by the sampled tokens, and find the tokens the grammar forces (fast-forward).
+"""One completion's grammar state, kept on its Request, and the per-step batch operations over
+many of them: fill the masks of the rows a step samples (the scheduler, into the plan), advance
+the matchers by the sampled tokens (the scheduler, as it takes the output), and find the tokens
+the grammar forces (fast-forward, the output processor).
 
 Preemption by recompute keeps every token a request has (prompt and output), so a matcher stays
 valid across it; `num_tokens` records how many output tokens the matcher has consumed, and the
-runner checks it against the request before each masked sample.
+scheduler checks it against the request before each mask it puts in a plan.
 """
 
 from __future__ import annotations
