@@ -97,3 +97,8 @@ class TransientBrokerError(BrokerError, ConnectionError):
 class BrokerConfigurationError(BrokerError):
     """The store refuses what it was given, and will until an operator fixes it: wrong or missing
     credentials, no permission, a queue or bucket that does not exist or was declared otherwise."""
+
+
+class InvalidConfigError(QworkerError, ValueError):
+    """An engine option this machine or model cannot honour (a device that is not there, a
+    context longer than the model's, more KV memory than the machine has): one line at start."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from qworker.config import EngineConfig
 from qworker.engine.structured.tool_calls import template_messages
-from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.errors import InvalidConfigError, InvalidRequestError, PromptTooLongError
 from qworker.model.config import ModelConfig
 from qworker.utils import cdiv
 
@@ -23,7 +23,9 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     limit = model_config.max_position_embeddings
     if config.max_model_len is not None:
         if config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit}")
+            raise InvalidConfigError(
+                f"max_model_len {config.max_model_len} exceeds the model's {limit} (max_position_embeddings)"
+            )
         limit = config.max_model_len
     return limit
 

@@ -23,11 +23,12 @@ VLLM_CPU_KVCACHE_SPACE); the pool is kv_cache_memory_bytes, else DEFAULT_CPU_KV_
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from qworker.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from qworker.errors import QworkerError
+from qworker.errors import InvalidConfigError, QworkerError
 from qworker.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,32 @@ SAMPLER_COPIES_PER_ROW = 3
 
 class KVCacheMemoryError(QworkerError, ValueError):
     """gpu_memory_utilization leaves no room for a single KV block."""
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a KV pool on `device` could take at most: the GPU's total, or on the CPU the kernel's
+    MemAvailable (free plus reclaimable cache); None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(num_bytes: int, device: torch.device) -> None:
+    """InvalidConfigError, at start and in one line, for a KV pool larger than the device's memory
+    (the allocation would otherwise fail with a traceback, or the machine would swap)."""
+    available = available_bytes(device)
+    if available is not None and num_bytes > available:
+        where = "the GPU has" if device.type == "cuda" else "this machine has available"
+        raise InvalidConfigError(
+            f"kv_cache_memory_bytes={num_bytes} ({num_bytes / 2**30:.1f} GiB) is more than {where} "
+            f"({available / 2**30:.1f} GiB); give a smaller --kv-cache-memory-bytes or --num-kv-blocks"
+        )
 
 
 def activation_bytes_estimate(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -65,6 +92,7 @@ def kv_cache_budget_bytes(
                 config.kv_cache_memory_bytes,
                 config.gpu_memory_utilization,
             )
+        check_fits(config.kv_cache_memory_bytes, device)
         return config.kv_cache_memory_bytes
     if device.type != "cuda":
         if config.gpu_memory_utilization is not None:

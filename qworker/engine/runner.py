@@ -20,6 +20,7 @@ from qworker.engine.sampler import Sampler, SamplingRow, TokenBitmask, compute_l
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler_output import GrammarRows, ScheduledRequest, SchedulerOutput
 from qworker.engine.step_inputs import StepInputs
+from qworker.errors import InvalidConfigError
 from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderForCausalLM
@@ -31,10 +32,28 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
-    """`auto` is CUDA when available, else the CPU; any other name goes to torch.device."""
+    """`auto` is CUDA when available, else the CPU; any other name goes to torch.device, and must
+    name a device this machine has (else InvalidConfigError)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise InvalidConfigError(f"device {device!r} is not a device name; use auto, cpu or cuda") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
+            raise InvalidConfigError(
+                f"device {device!r}: torch finds no CUDA device here (torch {torch.__version__}, {build}); "
+                "use --device cpu or auto"
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise InvalidConfigError(
+                f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif resolved.type != "cpu":
+        raise InvalidConfigError(f"device {device!r} is not supported; use auto, cpu or cuda")
+    return resolved
 
 
 def cpu_has_fast_bf16() -> bool:

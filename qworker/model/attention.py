@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from qworker_kernels.constants import is_triton_interpreter_enabled
 from qworker_kernels.cpu_paged_attention import paged_decode_attention_torch
 
 from qworker import envs
+from qworker.errors import InvalidConfigError
 from qworker.model.attention_types import AttentionBackend, AttentionMetadata
 from qworker.utils import cdiv
 
@@ -328,9 +330,14 @@ def select_attention_backend(
     if choice == "torch":
         backend = TorchAttentionBackend()
     elif choice == "triton":
+        if device.type != "cuda" and not is_triton_interpreter_enabled():
+            raise InvalidConfigError(
+                f"attention_backend 'triton' needs a CUDA device; this engine runs on {device.type} "
+                "(use torch or auto there; TRITON_INTERPRET=1 runs the kernels interpreted, for tests)"
+            )
         from qworker.model.triton_attention import TritonAttentionBackend
 
         backend = TritonAttentionBackend(device)
     else:
-        raise ValueError(f"unknown attention backend {choice!r}; use auto, torch or triton")
+        raise InvalidConfigError(f"unknown attention backend {choice!r}; use auto, torch or triton")
     return backend

@@ -111,3 +111,49 @@ def test_a_broken_engine_exits_with_its_own_code(capsys):
     # Anything unforeseen keeps its traceback (exit 1).
     with pytest.raises(ZeroDivisionError), reported_errors():
         raise ZeroDivisionError
+
+
+# -- engine options this machine or model cannot honour: one line at start, exit 2 -------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from qworker.testing.worker_kit import write_tiny_model_dir
+
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cuda"], "device 'cuda': torch finds no CUDA device here"),
+        (["--device", "tpu"], "device 'tpu' is not a device name; use auto, cpu or cuda"),
+        (["--device", "meta"], "device 'meta' is not supported; use auto, cpu or cuda"),
+        (
+            ["--attention-backend", "triton"],
+            "attention_backend 'triton' needs a CUDA device; this engine runs on cpu",
+        ),
+        (["--max-model-len", "999999"], "max_model_len 999999 exceeds the model's"),
+        (["--kv-cache-memory-bytes", str(2**50)], "GiB) is more than this machine has available"),
+    ],
+)
+def test_an_engine_option_the_machine_cannot_honour_is_one_line_and_exit_2(
+    tiny_model, monkeypatch, args, message
+):
+    from typer.testing import CliRunner
+
+    from qworker.cli import app
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if args[0] == "--device" and args[1] == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a CUDA device")
+    result = CliRunner().invoke(
+        app, ["worker", "--queue", "memory://bad-options", "--burst", "--model", str(tiny_model), *args]
+    )
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("qworker: error: ")]
+    assert len(errors) == 1 and message in errors[0], result.output
