@@ -51,6 +51,8 @@ __all__ = [
     "QWORKER_STATE_DIR",
     "QWORKER_STATS_URL",
     "QWORKER_STREAM_RESULTS_URL",
+    "QWORKER_TEST_REDIS_URL",
+    "QWORKER_TEST_SESSION",
     "QWORKER_VLLM_CPU_ROOT",
     "EnvVar",
     "EnvVarError",
@@ -164,6 +166,23 @@ QWORKER_GATEWAY_FUZZ_EXAMPLES: EnvVar[int] = EnvVar(
     "tests",
 )
 
+QWORKER_TEST_REDIS_URL: EnvVar[str | None] = EnvVar(
+    "QWORKER_TEST_REDIS_URL",
+    "The Redis server tests and soaks use (none: each test process starts its own redis-server on a "
+    "free loopback port; the suite never touches a server it did not start unless this names one)",
+    parse_str,
+    None,
+    "tests",
+)
+QWORKER_TEST_SESSION: EnvVar[str | None] = EnvVar(
+    "QWORKER_TEST_SESSION",
+    "Set by the test suite in each of its processes; the processes the suite started inherit it, so "
+    "that the session's end finds any still alive (tests only)",
+    parse_str,
+    None,
+    "tests",
+)
+
 ENV_VARS: dict[str, EnvVar] = {
     var.name: var
     for var in (
@@ -180,6 +199,8 @@ ENV_VARS: dict[str, EnvVar] = {
         *KERNEL_ENV_VARS,
         QWORKER_VLLM_CPU_ROOT,
         QWORKER_GATEWAY_FUZZ_EXAMPLES,
+        QWORKER_TEST_REDIS_URL,
+        QWORKER_TEST_SESSION,
     )
 }
-assert len(ENV_VARS) == len(KERNEL_ENV_VARS) + 12, "a variable is listed twice"
+assert len(ENV_VARS) == len(KERNEL_ENV_VARS) + 14, "a variable is listed twice"

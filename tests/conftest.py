@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
+import uuid
 
 import pytest
 import torch
@@ -11,6 +15,79 @@ from qworker.testing.tiny_model import tiny_llama_model
 # thread, as two torch pools of two threads each would oversubscribe the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+# -- one Redis per test process, started here; processes the suite started, checked at its end --
+
+# The variable the processes this session starts inherit: its value names this process's session.
+SESSION_ENV = "QWORKER_TEST_SESSION"
+
+
+def _runs_tests(config: pytest.Config) -> bool:
+    """False in pytest-xdist's controller, which only hands files to its workers."""
+    return os.environ.get("PYTEST_XDIST_WORKER") is not None or not getattr(
+        config.option, "numprocesses", None
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _runs_tests(config):
+        return
+    from qworker import envs
+    from qworker.testing import worker_kit
+
+    os.environ[SESSION_ENV] = uuid.uuid4().hex
+    if envs.QWORKER_TEST_REDIS_URL.get() is None:
+        # A server of this process's own on a free loopback port; subprocesses inherit its URL.
+        server = worker_kit.start_private_redis()
+        version = server.version()
+        if version < worker_kit.MIN_TEST_REDIS_VERSION:
+            server.stop()
+            raise pytest.UsageError(
+                f"the suite needs Redis >= {'.'.join(map(str, worker_kit.MIN_TEST_REDIS_VERSION))}; "
+                f"{server.executable} is {'.'.join(map(str, version))}: install redis-server 7 "
+                "(Debian: apt install redis-server), or name a server in $QWORKER_TEST_REDIS_URL"
+            )
+        config.stash[_REDIS_KEY] = server
+        os.environ["QWORKER_TEST_REDIS_URL"] = server.url
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server = config.stash.get(_REDIS_KEY, None)
+    if server is not None:
+        server.stop()
+
+
+_REDIS_KEY = pytest.StashKey["object"]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind(request: pytest.FixtureRequest):
+    """Fails the run, naming them, when processes this session started outlive it (each fixture
+    that starts one must stop it, on failure and timeout too); they are killed here either way."""
+    yield
+    from qworker.testing.worker_kit import processes_with_env
+
+    session = os.environ.get(SESSION_ENV)
+    if session is None:
+        return
+    server = request.config.stash.get(_REDIS_KEY, None)
+    ours = {server.process.pid} if server is not None and server.process is not None else set()
+
+    def left_behind() -> dict[int, str]:
+        found = processes_with_env(SESSION_ENV, session)
+        return {pid: cmd for pid, cmd in found.items() if pid not in ours}
+
+    deadline = time.monotonic() + 10  # a worker told to stop may still be draining
+    while (left := left_behind()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not left:
+        return
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    names = "; ".join(f"pid {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
+    pytest.fail(f"the suite left {len(left)} process(es) running (now killed): {names}", pytrace=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,33 +1,61 @@
 """Helpers for tests of the worker (and for anyone testing code that uses qworker's queue).
 
-Tests use the Redis server at 127.0.0.1:6379 when one answers, else the embedded one, and give
-every test its own stream, group and key prefix so that tests never see each other's jobs.
+Tests use the Redis server that $QWORKER_TEST_REDIS_URL names, else one this process starts on a
+free loopback port (tests/conftest.py starts one per test process and names it there), and give
+every test its own stream, group and key prefix so that tests never see each other's jobs. They
+never touch a server they did not start (127.0.0.1:6379 included) unless the variable names it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+from qworker import envs
+from qworker.backends.redis.server import RedisServer
+
+# What the suite's helpers use (XINFO STREAM's entries-added, for one): the check says so at start.
+MIN_TEST_REDIS_VERSION = (7, 0)
+
+_private_redis: RedisServer | None = None
 
 
-def redis_base_url() -> str:
-    import redis
+def start_private_redis() -> RedisServer:
+    """A redis-server on a free loopback port, stopped (and its folder removed) when this process
+    exits."""
+    data_dir = Path(tempfile.mkdtemp(prefix="qwtest-redis-"))
+    server = RedisServer(data_dir, appendonly=False).start()
 
-    try:
-        redis.Redis.from_url(LOCAL_REDIS_URL, socket_connect_timeout=0.5).ping()
-        return LOCAL_REDIS_URL
-    except redis.RedisError:
-        from qworker.backends.redis.embedded import embedded_redis_url
+    def stop() -> None:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
-        return embedded_redis_url()
+    atexit.register(stop)  # stopping twice is harmless: the suite's conftest stops it first
+    return server
+
+
+def redis_base_url(db: int = 0) -> str:
+    """The tests' Redis, database `db`: $QWORKER_TEST_REDIS_URL's server, else this process's own."""
+    global _private_redis
+    url = envs.QWORKER_TEST_REDIS_URL.get()
+    if url is None:
+        if _private_redis is None:
+            _private_redis = start_private_redis()
+        url = _private_redis.url
+    base = url.split("?", 1)[0].rstrip("/")
+    if base.rsplit("/", 1)[-1].isdigit():
+        base = base.rsplit("/", 1)[0]
+    return f"{base}/{db}"
 
 
 def unique_url(base: str, tag: str = "test") -> str:
@@ -107,3 +135,36 @@ def spawn_worker(url: str, model_dir: Path, name: str, *extra_args: str, log_pat
         time.sleep(0.1)
     process.kill()
     raise TimeoutError(f"worker {name} did not start:\n{log_path.read_text()[-3000:]}")
+
+
+def processes_with_env(name: str, value: str) -> dict[int, str]:
+    """pid -> command line of this machine's processes started with `name=value` in their
+    environment (read from /proc; what a process inherited at exec, whatever it changed since)."""
+    wanted = f"{name}={value}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if wanted not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        if "\nState:\tZ" in status:
+            continue  # a zombie: dead, waiting for its parent to reap it
+        found[int(entry.name)] = cmdline
+    return found
+
+
+def kill_processes_with_env(name: str, value: str, timeout_s: float = 10.0) -> dict[int, str]:
+    """SIGKILL the processes `processes_with_env` finds, and wait for them; what was killed."""
+    victims = processes_with_env(name, value)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while processes_with_env(name, value) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return victims

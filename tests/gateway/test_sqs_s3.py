@@ -18,7 +18,7 @@ from qworker.engine.llm_engine import LLMEngine
 from qworker.gateway.app import create_app
 from qworker.gateway.settings import GatewaySettings
 from qworker.jobs.client import Client
-from qworker.testing.worker_kit import LOCAL_REDIS_URL, redis_base_url
+from qworker.testing.worker_kit import redis_base_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.gateway.conftest import serve_app
@@ -45,10 +45,8 @@ def fresh_queue_and_bucket(moto) -> SqsS3:
 
 @pytest.fixture(scope="module")
 def sqs_pool(moto_server, tiny_model_dir):  # noqa: F811 - the imported fixture
-    if redis_base_url() != LOCAL_REDIS_URL:
-        pytest.skip("needs the Redis server at 127.0.0.1:6379 for --stream-results")
     env = fresh_queue_and_bucket(moto_server)
-    stream_url = f"{LOCAL_REDIS_URL}?prefix=qwtest:gwsqs:{env.queue}"
+    stream_url = f"{redis_base_url()}?prefix=qwtest:gwsqs:{env.queue}"
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=256, block_size=16
@@ -65,7 +63,7 @@ def sqs_pool(moto_server, tiny_model_dir):  # noqa: F811 - the imported fixture
     yield env, stream_url
     worker.stop()
     thread.join(timeout=30)
-    r = redis.Redis.from_url(LOCAL_REDIS_URL)
+    r = redis.Redis.from_url(redis_base_url())
     for key in r.scan_iter(match=f"qwtest:gwsqs:{env.queue}*"):
         r.delete(key)
 

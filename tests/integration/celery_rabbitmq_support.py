@@ -9,9 +9,10 @@ from typing import Any
 import redis as redis_lib
 
 from qworker.backends.celery_amqp.url import dead_letter_name
+from qworker.testing.worker_kit import redis_base_url
 
-RESULTS_REDIS = "redis://127.0.0.1:6379/12"
-RESULTS = "celery+redis://127.0.0.1:6379/12"
+RESULTS_REDIS = redis_base_url(12)
+RESULTS = f"celery+{RESULTS_REDIS}"
 TASK = "qworker.generate"
 
 

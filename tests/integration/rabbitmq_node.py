@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from qworker.testing.worker_kit import kill_processes_with_env
+
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 
 
@@ -70,6 +72,9 @@ class RabbitNode:
         self.dir = Path(tempfile.mkdtemp(prefix="qwtest-rabbit-"))
         self.port = free_port()
         self.dist_port = free_port()
+        # An epmd of this node's own (the node starts it as a daemon): close() can stop it without
+        # touching the machine's epmd, which other nodes share.
+        self.epmd_port = free_port()
         self.tls_port = free_port() if with_tls else None
         self.name = f"qwtest-{os.getpid()}-{self.port}@localhost"
         self.tls_files = make_tls_files(self.dir) if with_tls else None
@@ -99,6 +104,7 @@ class RabbitNode:
             "HOME": str(self.dir),
             "RABBITMQ_NODE_PORT": str(self.port),
             "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "ERL_EPMD_PORT": str(self.epmd_port),
             "RABBITMQ_NODENAME": self.name,
             "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
             "RABBITMQ_LOG_BASE": str(self.dir / "log"),
@@ -115,13 +121,19 @@ class RabbitNode:
             [RABBITMQ_SERVER], env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"rabbitmq-server exited: {(self.dir / 'server.log').read_text()[-2000:]}")
-            if _port_open(self.port) and self._accepts_amqp():
-                return self
-            time.sleep(0.2)
-        raise RuntimeError(f"rabbitmq-server did not open port {self.port} in {timeout_s} s")
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    log_tail = (self.dir / "server.log").read_text()[-2000:]
+                    raise RuntimeError(f"rabbitmq-server exited: {log_tail}")
+                if _port_open(self.port) and self._accepts_amqp():
+                    return self
+                time.sleep(0.2)
+            raise RuntimeError(f"rabbitmq-server did not open port {self.port} in {timeout_s} s")
+        except BaseException:
+            # A fixture whose start fails never reaches its finalizer: stop the node here.
+            self.close()
+            raise
 
     def _accepts_amqp(self) -> bool:
         import amqp
@@ -155,4 +167,5 @@ class RabbitNode:
 
     def close(self) -> None:
         self.stop()
+        kill_processes_with_env("ERL_EPMD_PORT", str(self.epmd_port))  # its epmd, and any stray
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -3,7 +3,7 @@
 other jobs run), `time_limit` (stopped at the limit: FAILURE with TimeLimitExceeded) and
 `revoke()` of a running task (REVOKED within a second or two, the job stops).
 
-Uses the Redis server at 127.0.0.1:6379, database 11, a unique queue name per test."""
+Uses the suite's Redis server (tests/conftest.py), database 11, a unique queue name per test."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import redis as redis_lib
 from qworker.backends.connections import open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
+from qworker.testing.worker_kit import redis_base_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.integration.conftest import wait_for
 
-BROKER = "redis://127.0.0.1:6379/11"
+BROKER = redis_base_url(11)
 TASK = "qworker.generate"
 STEP_PAUSE_S = 0.02
 # With the pause, a long job runs for several seconds on any machine.
@@ -50,7 +51,7 @@ def broker():
     try:
         r.ping()
     except redis_lib.RedisError:
-        pytest.skip("needs the Redis server at 127.0.0.1:6379")
+        pytest.fail("the suite's Redis server does not answer")
     return r
 
 
@@ -81,7 +82,7 @@ def job(max_tokens: int, first: int = 5) -> dict:
 def test_expires_eta_time_limit_and_revoke(broker, queue, celery_app, tiny_model_dir):
     from celery.result import AsyncResult
 
-    url = f"celery+redis://127.0.0.1:6379/11?queue={queue}"
+    url = f"celery+{BROKER}?queue={queue}"
     engine = SlowEngine(
         LLMEngine(
             EngineConfig(

@@ -1,7 +1,7 @@
 """Celery interop: a real celery.Celery app is the producer and reads the
 results; qworker consumes the Celery protocol v2 messages from the Redis broker with kombu.
 
-Uses the Redis server at 127.0.0.1:6379, database 11, a unique queue name per test."""
+Uses the suite's Redis server (tests/conftest.py), database 11, a unique queue name per test."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobStatus
-from qworker.testing.worker_kit import spawn_worker
+from qworker.testing.worker_kit import redis_base_url, spawn_worker
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.integration.conftest import wait_for
 
-BROKER = "redis://127.0.0.1:6379/11"
+BROKER = redis_base_url(11)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def broker():
     try:
         r.ping()
     except redis_lib.RedisError:
-        pytest.skip("needs the Redis server at 127.0.0.1:6379")
+        pytest.fail("the suite's Redis server does not answer")
     return r
 
 
@@ -59,7 +59,7 @@ def celery_app():
 
 def queue_url(queue: str, **params: object) -> str:
     extra = "".join(f"&{k}={v}" for k, v in params.items())
-    return f"celery+redis://127.0.0.1:6379/11?queue={queue}{extra}"
+    return f"celery+{BROKER}?queue={queue}{extra}"
 
 
 def make_worker(engine_args, url: str, name: str = "w") -> Worker:

@@ -1,7 +1,7 @@
 """Celery on RabbitMQ: a real celery.Celery app sends to a RabbitMQ node that this module starts
 (its own port, node name and data directory; the machine's shared server is never used), a
 qworker worker serves the queue, and the app reads results with AsyncResult.get() from its Redis
-result backend (127.0.0.1:6379, database 12). The app's task_queues are those of docs/WORKER.md.
+result backend (the suite's Redis server, database 12). The app's task_queues are those of docs/WORKER.md.
 
 Covered: results, a validation FAILURE with its reason, a pickled task dead-lettered unread and
 `qworker dlq` list/replay/purge on it, revoke / expires / countdown / time_limit, priority on a
@@ -39,6 +39,7 @@ from qworker.worker.settings import WorkerSettings
 from tests.integration import rabbitmq_node
 from tests.integration.celery_rabbitmq_support import (
     RESULTS,
+    RESULTS_REDIS,
     TASK,
     amqp_url,
     celery_app,
@@ -66,7 +67,7 @@ def node():
 def store():
     r = results_redis()
     if r is None:
-        pytest.skip("needs the Redis server at 127.0.0.1:6379 (the Celery result backend)")
+        pytest.fail("the suite's Redis server (the Celery result backend) does not answer")
     return r
 
 
@@ -247,9 +248,7 @@ def test_delivery_counts_quorum_and_classic(node, store):
     for quorum in (True, False):
         queue = new_queue("quorum" if quorum else "classic")
         params = (
-            {"queue_type": "quorum", "delivery_limit": 5}
-            if quorum
-            else {"delivery_store": "redis://127.0.0.1:6379/12"}
+            {"queue_type": "quorum", "delivery_limit": 5} if quorum else {"delivery_store": RESULTS_REDIS}
         )
         url = amqp_url(node.port, queue, **params)
         producer = open_producer(url)  # declares the queue as the URL says

@@ -27,7 +27,7 @@ from qworker.worker.settings import WorkerSettings
 SHORT_CONTEXT = 32
 LONG_CONTEXT = 128
 LONG_PROMPT = list(range(10, 60))  # 50 tokens: over SHORT_CONTEXT, within LONG_CONTEXT
-CELERY_BROKER = "redis://127.0.0.1:6379/11"
+CELERY_BROKER = redis_base_url(11)
 
 
 @dataclass
@@ -47,7 +47,7 @@ def backend(request, sqs_s3) -> Iterator[Backend]:
         yield Backend(env.queue_url, env.results_url)
     else:
         queue = f"qwtest-dlq-{uuid.uuid4().hex[:10]}"
-        url = f"celery+redis://127.0.0.1:6379/11?queue={queue}"
+        url = f"celery+{CELERY_BROKER}?queue={queue}"
         yield Backend(url, url)
         broker = redis_lib.Redis.from_url(CELERY_BROKER)
         for pattern in (f"{queue}*", f"_kombu.binding.{queue}*", f"celery-task-meta-{RUN}-*"):

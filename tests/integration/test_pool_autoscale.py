@@ -1,8 +1,8 @@
 """An autoscaled pool on loopback: the test plays KEDA and the HPA (tests/pool_emulator/autoscale.py) on the
 pool-demand signal, read every second over HTTP from the exporter's own loop, and starts and stops
 real worker processes (1 torch thread each, at most 2 at once) while bursts of a few hundred small
-jobs and a trickle of longer ones arrive on the Redis server at 127.0.0.1:6379 (else the embedded
-one). The scenario (tests/pool_emulator/scenario.py, bursty_config) scales 0 -> 2 -> 1 -> 0 -> 2 -> 0:
+jobs and a trickle of longer ones arrive on the suite's Redis server (tests/conftest.py). The
+scenario (tests/pool_emulator/scenario.py, bursty_config) scales 0 -> 2 -> 1 -> 0 -> 2 -> 0:
 the scale-in to 1 happens during the trickle and removes the worker holding the most jobs, with a
 drain grace shorter than what is left of them, so that it releases them to its peer."""
 

@@ -1,5 +1,5 @@
-"""The pool-demand signal read from real queues: Redis Streams and Celery on the Redis server at
-127.0.0.1:6379 (else the embedded one), SQS on moto's server. Jobs go in through qworker's own
+"""The pool-demand signal read from real queues: Redis Streams and Celery on the suite's Redis
+server (tests/conftest.py), SQS on moto's server. Jobs go in through qworker's own
 producers, leases are taken by qworker's own sources, worker reports written by its Redis sink."""
 
 from __future__ import annotations

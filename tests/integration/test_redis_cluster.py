@@ -28,7 +28,7 @@ from qworker.backends.source import OutgoingJob
 from qworker.cli import app
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobStatus
-from qworker.testing.worker_kit import spawn_worker
+from qworker.testing.worker_kit import redis_base_url, spawn_worker
 
 pytestmark = [
     pytest.mark.slow,
@@ -251,7 +251,7 @@ def test_the_queue_slot_moves_to_another_node_mid_run(url, cluster, worker, node
 @pytest.mark.timeout(60)
 def test_a_cluster_url_at_a_single_server_says_so():
     with pytest.raises(InvalidURLError, match="not a cluster") as info:
-        open_sink("redis+cluster://127.0.0.1:6379/0?prefix=x")
+        open_sink(redis_base_url().replace("redis://", "redis+cluster://", 1) + "?prefix=x")
     assert "\n" not in str(info.value) and "use redis://" in str(info.value)
 
 

@@ -14,7 +14,7 @@ from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobResult, JobStatus
-from qworker.testing.worker_kit import LOCAL_REDIS_URL, redis_base_url
+from qworker.testing.worker_kit import redis_base_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 from tests.integration.conftest import wait_for
@@ -226,11 +226,9 @@ def test_missing_payload_object_is_dead_lettered_with_a_failed_result(sqs_s3, ti
 
 @pytest.mark.timeout(120)
 def test_stream_to_redis_final_to_s3(sqs_s3, tiny_engine_args):
-    if redis_base_url() != LOCAL_REDIS_URL:
-        pytest.skip("needs the Redis server at 127.0.0.1:6379")
     env = sqs_s3()
     prefix = f"qwtest:split:{env.queue}"
-    stream_url = f"{LOCAL_REDIS_URL}?prefix={prefix}"
+    stream_url = f"{redis_base_url()}?prefix={prefix}"
     client = Client(queue=env.queue_url, results=env.results_url, stream_results=stream_url)
     job_id = client.submit({"prompt": "Once upon a time", "params": {"max_tokens": 12, "ignore_eos": True}})
     worker = make_worker(env, LLMEngine(EngineConfig(**tiny_engine_args)), "w", stream=stream_url)
@@ -243,7 +241,7 @@ def test_stream_to_redis_final_to_s3(sqs_s3, tiny_engine_args):
     assert env.result_keys() == [f"results/{job_id}.json"]
     import redis
 
-    r = redis.Redis.from_url(LOCAL_REDIS_URL)
+    r = redis.Redis.from_url(redis_base_url())
     assert not r.exists(f"{prefix}:result:{job_id}"), "the final result lives in S3 only"
     for key in r.scan_iter(match=f"{prefix}*"):
         r.delete(key)

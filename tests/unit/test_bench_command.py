@@ -115,7 +115,7 @@ def test_system_specs() -> None:
 @pytest.mark.slow
 def test_queue_mode_against_engine_mode(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Both modes on the same requests: the bench starts a worker on its own stream, streams the
-    jobs through Redis (127.0.0.1:6379, else the embedded server) and stops the worker."""
+    jobs through the suite's Redis server and stops the worker."""
     pytest.importorskip("redis")
     spec = write_workload(tmp_path / "w.json")
     out = tmp_path / "q"

