@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from qworker import envs
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.structured.bitmask import apply_token_bitmask_
 
@@ -101,7 +101,7 @@ def _cpu_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The C argmax of qworker_kernels.cpu_fused_ops; None where it cannot be built, where it was
     built without AVX-512 (there torch's argmax is faster), or the CPU kernels are off
     (QWORKER_DISABLE_CPU_KERNEL)."""
-    if os.environ.get("QWORKER_DISABLE_CPU_KERNEL"):
+    if envs.QWORKER_DISABLE_CPU_KERNEL.get():
         return None
     from qworker_kernels import cpu_fused_ops
 
