@@ -4,7 +4,7 @@ test_openai_sdk.py)."""
 
 from __future__ import annotations
 
-import time
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -84,11 +84,16 @@ def test_in_flight_requests_are_bounded_without_a_kv_bound():
 
 @pytest.mark.timeout(10)
 def test_a_failing_reading_keeps_the_last_one():
+    third_read = threading.Event()
+
     class Flaky(Reading):
         calls = 0
 
         def read(self) -> PoolDemand:
             Flaky.calls += 1
+            if Flaky.calls >= 3:
+                # The second read failed and the loop went on to this one: that failure is handled.
+                third_read.set()
             if Flaky.calls > 1:
                 raise ConnectionError("redis is away")
             return super().read()
@@ -98,8 +103,8 @@ def test_a_failing_reading_keeps_the_last_one():
     )
     g.start()
     assert g.wait_first_reading(5)
-    time.sleep(0.1)
-    assert Flaky.calls > 1 and g.waiting_blocks == 95
+    assert third_read.wait(5), "the reading thread goes on after a failed read"
+    assert g.waiting_blocks == 95
     with pytest.raises(GatewayError):
         g.admit(10)
     g.close()

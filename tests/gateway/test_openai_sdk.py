@@ -21,6 +21,29 @@ from tests.gateway.conftest import API_KEY, metric_value, serve_app
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
+def wait_until(predicate, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def queued_entries(url: str) -> int:
+    """Entries ever added to the queue's streams (both priority lanes)."""
+    r = redis.Redis.from_url(redis_base_url())
+    stream = url.split("stream=")[1].split("&")[0]
+    return sum(r.xlen(name) for name in (stream, f"{stream}:high"))
+
+
+def kv_blocks(worker_metrics_url: str) -> tuple[float, float]:
+    """(free, total) KV blocks on the worker's /metrics."""
+    text = httpx.get(worker_metrics_url).text
+    return (
+        metric_value(text, "qworker_kv_cache_free_blocks"),
+        metric_value(text, "qworker_kv_cache_total_blocks"),
+    )
+
+
 def job_id_of(response_id: str, index: int = 0) -> str:
     """The job behind choice `index`'s prompt: rows.request_id_for(request id, prompt index)."""
     return request_id_for(response_id.split("-", 1)[1], str(index))
@@ -40,16 +63,21 @@ def test_scale_from_zero_a_request_waits_for_the_first_worker(tmp_path):
             outcome: dict[str, object] = {}
 
             def ask() -> None:
-                outcome["response"] = sdk.chat.completions.create(
-                    model="smollm2", messages=CHAT, max_tokens=4
-                )
+                try:
+                    outcome["response"] = sdk.chat.completions.create(
+                        model="smollm2", messages=CHAT, max_tokens=4
+                    )
+                except Exception as exc:
+                    outcome["error"] = exc
 
             asking = threading.Thread(target=ask)
             asking.start()
-            time.sleep(1.0)
-            assert asking.is_alive(), "the request waits while no worker runs"
+            # The request's job is on the queue, and the request still waits: no worker runs.
+            wait_until(lambda: queued_entries(url) >= 1, "the request's job on the queue", timeout_s=60)
+            assert asking.is_alive() and not outcome, outcome
             worker = spawn_worker(url, "smollm2", "gw-zero", log_path=tmp_path / "worker.log")
             asking.join(timeout=200)
+            assert not asking.is_alive() and "error" not in outcome, outcome
             response = outcome["response"]
             assert response.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
     finally:
@@ -180,12 +208,6 @@ def test_errors_arrive_as_the_sdks_exception_types(sdk, gateway):
 
 @pytest.mark.timeout(120)
 def test_disconnect_mid_stream_cancels_the_job_and_frees_its_blocks(sdk, store, worker):
-    def blocks() -> tuple[float, float]:
-        text = httpx.get(worker).text
-        return metric_value(text, "qworker_kv_cache_free_blocks"), metric_value(
-            text, "qworker_kv_cache_total_blocks"
-        )
-
     stream = sdk.completions.create(
         model="smollm2",
         prompt="Count from one to a thousand: one, two, three,",
@@ -200,16 +222,14 @@ def test_disconnect_mid_stream_cancels_the_job_and_frees_its_blocks(sdk, store, 
         if seen >= 3:
             break
     job_id = job_id_of(chunk.id)
-    free, total = blocks()
-    assert free < total, f"the job holds KV blocks while it runs: {free} of {total} free"
+    # 2,000 tokens: the job runs far longer than the gauges take to show its blocks.
+    wait_until(lambda: kv_blocks(worker)[0] < kv_blocks(worker)[1], "the job's blocks in use", timeout_s=30)
     stream.close()
-    closed_at = time.monotonic()
-    while blocks()[0] < total:
-        assert time.monotonic() - closed_at < 1.0, (
-            f"KV blocks still held 1 s after the disconnect: {blocks()}"
-        )
-        time.sleep(0.02)
-    assert store.result(job_id, timeout=10).status.value == "cancelled"
+    # A cancelled result, not one of 2,000 tokens: the disconnect stopped the job.
+    result = store.result(job_id, timeout=60)
+    assert result.status.value == "cancelled" and result.usage.completion_tokens < 2000, result
+    free_all = lambda: kv_blocks(worker)[0] == kv_blocks(worker)[1]
+    wait_until(free_all, "the cancelled job's blocks freed", timeout_s=30)
 
 
 @pytest.mark.timeout(120)
@@ -221,24 +241,19 @@ def test_a_client_that_stops_waiting_gets_its_job_cancelled(gateway, worker):
         return metric_value(httpx.get(f"{gateway.url}/metrics", headers=auth).text, name) or 0.0
 
     cancelled = 'qworker_gateway_cancelled_jobs_total{reason="disconnect"}'
-    before = gateway_metric(cancelled)
+    worker_cancelled = 'qworker_jobs_total{status="cancelled"}'
+
+    def worker_metric(name: str) -> float:
+        return metric_value(httpx.get(worker).text, name) or 0.0
+
+    before, worker_before = gateway_metric(cancelled), worker_metric(worker_cancelled)
     body = {"model": "smollm2", "prompt": "Count: one, two,", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway.url}/v1/completions", json=body, headers=auth, timeout=2.0)
-    gave_up_at = time.monotonic()
-    while gateway_metric(cancelled) < before + 1:
-        assert time.monotonic() - gave_up_at < 2.0, "the gateway did not cancel the job of a client that left"
-        time.sleep(0.05)
-    text = httpx.get(worker).text
-    free, total = (
-        metric_value(text, "qworker_kv_cache_free_blocks"),
-        metric_value(text, "qworker_kv_cache_total_blocks"),
-    )
-    while free < total:
-        assert time.monotonic() - gave_up_at < 3.0, f"KV blocks still held: {free} of {total} free"
-        time.sleep(0.05)
-        text = httpx.get(worker).text
-        free = metric_value(text, "qworker_kv_cache_free_blocks")
+    wait_until(lambda: gateway_metric(cancelled) >= before + 1, "the gateway to cancel the job", 30)
+    # The worker ends the job as cancelled (not at its 2,000 tokens) and frees its blocks.
+    wait_until(lambda: worker_metric(worker_cancelled) >= worker_before + 1, "a cancelled result", 60)
+    wait_until(lambda: kv_blocks(worker)[0] == kv_blocks(worker)[1], "the job's blocks freed", 30)
 
 
 @pytest.mark.timeout(90)
@@ -266,8 +281,10 @@ def test_no_worker_scale_from_zero_timeout_and_backpressure(tmp_path):
             cancelled = {k.decode() for k in r.scan_iter(match=f"{url.split('prefix=')[1]}*cancel*")}
             assert cancelled, "the timed-out job was cancelled"
             # That job still waits in the queue (no worker): 1 block. A request that would take the
-            # waiting demand past the bound of 40 blocks is refused with 429 and Retry-After.
-            time.sleep(0.5)
+            # waiting demand past the bound of 40 blocks is refused with 429 and Retry-After,
+            # once the gate's reading of the queue (every 0.2 s) has seen it.
+            gate = app.state.gateway.gate
+            wait_until(lambda: (gate.waiting_blocks or 0) >= 1, "a reading with the waiting job", 30)
             with pytest.raises(openai.RateLimitError) as limited:
                 sdk.completions.create(model="smollm2", prompt="Hello " * 200, max_tokens=500)
             assert limited.value.response.headers["Retry-After"] == "2"

@@ -1,5 +1,6 @@
 """Shared fixtures for integration tests: moto's server mode on loopback (SQS and S3 over HTTP),
-and a tiny random Llama directory with the SmolLM2 tokenizer."""
+a tiny random Llama directory with the SmolLM2 tokenizer, and a queue URL of the test's own on
+the tests' Redis (`url`, its keys deleted after the test)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,35 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import redis as redis_lib
 
-from qworker.testing.worker_kit import write_tiny_model_dir
+from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
+from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url, write_tiny_model_dir
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def raw_redis(url: str) -> redis_lib.Redis:
+    """A client of the Redis that a unique_url's queue lives on."""
+    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
+
+
+def url_params(url: str) -> dict[str, str]:
+    return parse_url(url, SOURCE_PARAMS | SINK_PARAMS).params
+
+
+@pytest.fixture
+def url(request: pytest.FixtureRequest):
+    """A queue-and-results URL of this test's own (stream, group and key prefix, tagged with the
+    module's name) on the tests' Redis; its keys are deleted after the test."""
+    tag = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    url = unique_url(redis_base_url(), tag=tag)
+    yield url
+    cleanup(raw_redis(url), url)
 
 
 @pytest.fixture(scope="session")

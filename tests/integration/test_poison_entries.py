@@ -11,29 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import redis as redis_lib
 
-from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.backends.redis import keys as constants
 from qworker.jobs.job import JobResult, JobStatus
-from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
+from tests.integration.conftest import raw_redis, url_params
 
 from .stream_fuzz import check_outcomes, generate, run_burst_worker, write_entries
-
-
-@pytest.fixture
-def url():
-    url = unique_url(redis_base_url(), tag="poison")
-    yield url
-    cleanup(raw_redis(url), url)
-
-
-def raw_redis(url: str) -> redis_lib.Redis:
-    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
-
-
-def url_params(url: str) -> dict[str, str]:
-    return parse_url(url, SOURCE_PARAMS | SINK_PARAMS).params
 
 
 @pytest.mark.slow

@@ -14,16 +14,9 @@ from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.backends.redis import keys as constants
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobStatus
-from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
+from qworker.testing.worker_kit import spawn_worker
 from tests.integration.conftest import wait_for
 from tests.integration.streaming import StreamReader, raw_redis
-
-
-@pytest.fixture
-def url():
-    url = unique_url(redis_base_url(), tag="redelivery")
-    yield url
-    cleanup(raw_redis(url), url)
 
 
 @pytest.mark.slow

@@ -15,7 +15,6 @@ import uuid
 
 import jsonschema
 import pytest
-import redis as redis_lib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +23,7 @@ from qworker.backends.redis import keys as constants
 from qworker.jobs.job import JobResult, JobStatus
 from qworker.openai.format import RowError
 from qworker.openai.rows import parse_row
-from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
+from tests.integration.conftest import raw_redis
 
 from .stream_fuzz import Entry, check_outcomes, generate, run_burst_worker, write_entries
 
@@ -66,17 +65,6 @@ def constrained_entry(job_id: str, constraint, max_tokens: int = 12) -> Entry:
         "params": {"max_tokens": max_tokens, "temperature": 1.0, "structured_outputs": constraint},
     }
     return Entry({b"id": job_id.encode(), b"job": json.dumps(body).encode()}, kind="structured")
-
-
-@pytest.fixture
-def url():
-    url = unique_url(redis_base_url(), tag="structured")
-    yield url
-    cleanup(raw_redis(url), url)
-
-
-def raw_redis(url: str) -> redis_lib.Redis:
-    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
 
 
 @pytest.mark.slow

@@ -6,16 +6,14 @@ from __future__ import annotations
 import threading
 
 import pytest
-import redis as redis_lib
 
-from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
+from qworker.backends.connections import open_sink, open_source
 from qworker.config import EngineConfig
 from qworker.engine.llm import LLM
 from qworker.engine.llm_engine import LLMEngine
 from qworker.engine.sampling_params import SamplingParams
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobStatus
-from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 
@@ -34,13 +32,6 @@ QUESTIONS = [
 def engine():
     # float32: the comparison is exact, so both sides use the same (deterministic) arithmetic.
     return LLMEngine(EngineConfig(model="smollm2", dtype="float32", device="cpu"))
-
-
-@pytest.fixture
-def url():
-    url = unique_url(redis_base_url(), tag="e2e")
-    yield url
-    cleanup(redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url), url)
 
 
 def offline_llm(engine: LLMEngine) -> LLM:

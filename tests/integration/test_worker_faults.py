@@ -8,29 +8,18 @@ import signal
 import time
 
 import pytest
-import redis as redis_lib
 
 from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.backends.redis import keys as constants
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobStatus
-from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url, write_tiny_model_dir
+from qworker.testing.worker_kit import spawn_worker
+from tests.integration.conftest import raw_redis, wait_for
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def url():
-    url = unique_url(redis_base_url(), tag="faults")
-    yield url
-    cleanup(raw_redis(url), url)
-
-
-def raw_redis(url: str) -> redis_lib.Redis:
-    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def pending_of(r, params, consumer: str) -> int:
@@ -38,15 +27,6 @@ def pending_of(r, params, consumer: str) -> int:
         if entry["name"].decode() == consumer:
             return int(entry["pending"])
     return 0
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow

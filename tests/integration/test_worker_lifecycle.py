@@ -8,42 +8,21 @@ import threading
 import time
 
 import pytest
-import redis as redis_lib
 
-from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, open_sink, open_source, parse_url
+from qworker.backends.connections import open_sink, open_source
 from qworker.backends.redis import keys as constants
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobResult, JobStatus
-from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url, write_tiny_model_dir
 from qworker.worker.loop import Worker, run_beside
 from qworker.worker.settings import WorkerSettings
+from tests.integration.conftest import raw_redis, url_params
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def base_url():
-    return redis_base_url()
-
-
-@pytest.fixture
-def url(base_url):
-    url = unique_url(base_url)
-    yield url
-    cleanup(raw_redis(url), url)
-
-
-def raw_redis(url: str) -> redis_lib.Redis:
-    return redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url)
-
-
-def url_params(url: str) -> dict[str, str]:
-    return parse_url(url, SOURCE_PARAMS | SINK_PARAMS).params
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def make_worker(url, tiny_dir, name="w1", lease_timeout_s=30.0, max_backlog=8, **engine_args) -> Worker:
@@ -299,24 +278,31 @@ def test_admission_bounds_what_a_worker_holds_and_peers_share(url, tiny_dir):
     bound = num_kv_blocks // 4 + max_backlog
     first = make_worker(url, tiny_dir, name="first", num_kv_blocks=num_kv_blocks, max_backlog=max_backlog)
     second = make_worker(url, tiny_dir, name="second", num_kv_blocks=num_kv_blocks, max_backlog=max_backlog)
+    # The most entries each consumer held, read right after each of its leases: only a lease adds
+    # to what a consumer holds, so this sees every peak (a sampler on a timer can miss one).
     max_pending = {"first": 0, "second": 0}
-    done = threading.Event()
 
-    def watch():
-        while not done.is_set():
+    def record_peaks(worker: Worker) -> None:
+        lease = worker.source.lease
+
+        def lease_and_record(*args, **kwargs):
+            leases = lease(*args, **kwargs)
             for consumer in r.xpending(params["stream"], params["group"])["consumers"]:
                 name = consumer["name"].decode()
                 max_pending[name] = max(max_pending[name], int(consumer["pending"]))
-            time.sleep(0.01)
+            return leases
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+        worker.source.lease = lease_and_record  # type: ignore[method-assign]
+
+    record_peaks(first)
+    record_peaks(second)
     first_thread = start(first)
+    deadline = time.monotonic() + 120
     while first.stats.num_completed < 4:
+        assert time.monotonic() < deadline, "the first worker completed 4 jobs"
         time.sleep(0.01)
     second_thread = start(second)
     results = client.results(job_ids, timeout=240)
-    done.set()
     stop(first, first_thread)
     stop(second, second_thread)
     assert all(res.status is JobStatus.COMPLETED for res in results)

@@ -28,7 +28,6 @@ from qworker.backends.connections import SINK_PARAMS, SOURCE_PARAMS, parse_url
 from qworker.backends.redis import keys as constants
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobStatus
-from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -68,13 +67,6 @@ def wait_until(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture
-def url():
-    url = unique_url(redis_base_url(), tag="metrics")
-    yield url
-    cleanup(redis_lib.Redis.from_url(parse_url(url, SOURCE_PARAMS | SINK_PARAMS).connection_url), url)
 
 
 def long_job(max_tokens: int) -> dict:

@@ -144,11 +144,14 @@ def test_any_accepted_params_run_in_a_batch(llm, kwargs):
 
 def test_stop_token_ids_outside_the_vocabulary_are_rejected_before_anything_runs(llm):
     bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[999999])
+    num_steps = llm.llm_engine.num_steps
     with pytest.raises(InvalidParamsError, match=r"stop_token_ids \[999999\] is outside the vocabulary"):
         llm.generate([PROMPT, PROMPT], [GREEDY, bad])
     # The good request of the same call did not run and did not stay behind.
     assert_engine_empty(llm)
-    assert llm.llm_engine.num_steps == llm.llm_engine.num_steps  # nothing pending to step
+    assert llm.llm_engine.num_steps == num_steps, "the rejected call ran no step"
+    # Nothing pending: a step now schedules nothing, so it runs no model step either.
+    assert llm.llm_engine.step() == [] and llm.llm_engine.num_steps == num_steps
     [out] = llm.generate(
         [PROMPT], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[VOCAB_SIZE - 1])
     )
