@@ -345,6 +345,8 @@ def test_openai_client_batches_equal_local_qworker_batch_row_by_row(gateway, wor
 @pytest.mark.timeout(120)
 def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
     client = sdk(gateway)
+    # Eight short rows, then 52 long ones (600 tokens, four at a time: some 7,800 steps): the
+    # batch cannot end before the cancel lands, however slow the gateway is to send it.
     rows = [
         batch_row(
             f"long-{i}",
@@ -352,7 +354,7 @@ def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
             {
                 "model": MODEL_NAME,
                 "prompt": f"Tale {i}",
-                "max_tokens": 60,
+                "max_tokens": 60 if i < 8 else 600,
                 "temperature": 0,
                 "ignore_eos": True,
             },
@@ -406,7 +408,13 @@ def run_killing_the_driver(
     ):
         assert time.monotonic() < deadline, replicas[0].log_text()
         time.sleep(0.05)
-    [driver] = [r for r in replicas if r.is_driving(batch.id)]
+    # One replica drives it: wait out a lease that is moving (the one that lost it says so).
+    drivers: list[GatewayProcess] = []
+    deadline = time.monotonic() + 30
+    while len(drivers := [r for r in replicas if r.is_driving(batch.id)]) != 1:
+        assert time.monotonic() < deadline, [r.name for r in drivers]
+        time.sleep(0.05)
+    [driver] = drivers
     assert client.batches.retrieve(batch.id).request_counts.completed < len(rows), "killed midway"
     driver.kill()
     if restart:
