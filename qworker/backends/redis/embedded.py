@@ -7,14 +7,12 @@ that starts without a URL attaches to the same server; the process that started 
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from qworker import envs
 from qworker.errors import MissingDependencyError
-
-STATE_DIR_ENV = "QWORKER_STATE_DIR"
 
 _lock = threading.Lock()
 # One handle per state directory for this process; the handle keeps the server alive.
@@ -22,9 +20,9 @@ _servers: dict[Path, Any] = {}
 
 
 def default_state_dir() -> Path:
-    configured = os.environ.get(STATE_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser()
+    configured = envs.QWORKER_STATE_DIR.get()
+    if configured is not None:
+        return configured.expanduser()
     return Path.home() / ".cache" / "qworker" / "state"
 
 
