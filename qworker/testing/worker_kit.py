@@ -125,6 +125,8 @@ def spawn_worker(url: str, model_dir: Path, name: str, *extra_args: str, log_pat
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        # A group of its own: a finalizer can kill it and anything it started (kill_group).
+        start_new_session=True,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -133,8 +135,17 @@ def spawn_worker(url: str, model_dir: Path, name: str, *extra_args: str, log_pat
         if process.poll() is not None:
             raise RuntimeError(f"worker {name} exited early:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.1)
-    process.kill()
+    kill_group(process)
     raise TimeoutError(f"worker {name} did not start:\n{log_path.read_text()[-3000:]}")
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL a process started with start_new_session (spawn_worker's) and its whole group, and
+    reap it: for finalizers, which must leave nothing running whatever the test did."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
 
 
 def processes_with_env(name: str, value: str) -> dict[int, str]:
