@@ -27,8 +27,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from qworker.gateway.settings import GatewaySettings
 
 
-def _error_response(status: int, reason: bytes, message: str, error_type: str) -> tuple[h11.Response, bytes]:
-    body = json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": None}})
+def _error_response(
+    status: int, reason: bytes, message: str, error_type: str, code: str
+) -> tuple[h11.Response, bytes]:
+    body = json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}})
     data = body.encode()
     headers = [
         (b"content-type", b"application/json"),
@@ -50,7 +52,13 @@ class HeaderTimeoutProtocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
-            self._refuse(503, b"Service Unavailable", "too many open connections; retry later", "overloaded")
+            self._refuse(
+                503,
+                b"Service Unavailable",
+                "too many open connections; retry later",
+                "overloaded",
+                "too_many_connections",
+            )
             return
         self._arm_head_timer()
 
@@ -83,10 +91,10 @@ class HeaderTimeoutProtocol(H11Protocol):
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
         message = f"the request line and headers did not arrive within {self.header_timeout_s:g} s"
-        self._refuse(408, b"Request Timeout", message, "timeout")
+        self._refuse(408, b"Request Timeout", message, "timeout", "request_timeout")
 
-    def _refuse(self, status: int, reason: bytes, message: str, error_type: str) -> None:
-        response, data = _error_response(status, reason, message, error_type)
+    def _refuse(self, status: int, reason: bytes, message: str, error_type: str, code: str) -> None:
+        response, data = _error_response(status, reason, message, error_type, code)
         try:
             output = self.conn.send(response) + (self.conn.send(h11.Data(data=data)) or b"")
             output += self.conn.send(h11.EndOfMessage()) or b""

@@ -28,17 +28,15 @@ class BodyLimitMiddleware:
         limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-                if declared < 0:
-                    await GatewayError(400, "the Content-Length header is not a number").response()(
-                        scope, receive, send
+                declared = int(value) if value.isdigit() else None
+                error = None
+                if declared is None:
+                    error = GatewayError(
+                        400, "the Content-Length header is not a number", code="invalid_content_length"
                     )
-                    return
-                if declared > limit:
+                elif declared > limit:
                     error = GatewayError(413, _too_large(limit), code="request_too_large")
+                if error is not None:
                     await error.response()(scope, receive, send)
                     return
         num_received = 0
@@ -49,7 +47,9 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > limit:
-                    # FastAPI passes an HTTPException raised while it reads the body on as it is.
+                    # FastAPI passes an HTTPException raised while it reads the body on as it is
+                    # (any other exception becomes its 400); errors.py gives 413 its code,
+                    # request_too_large, as the Content-Length refusal above has.
                     raise HTTPException(413, _too_large(limit))
             return message
 

@@ -155,7 +155,7 @@ def prepare(
 ) -> PreparedRequest:
     """The body's jobs, or GatewayError (4xx) saying what to fix. Nothing is enqueued here."""
     if not isinstance(body, dict):
-        raise GatewayError(400, "the body must be a JSON object")
+        raise GatewayError(400, "the body must be a JSON object", code="invalid_body")
     body = dict(body)
     stream, include_usage, priority = _gateway_fields(body)
     prompts = split_prompts(body.get("prompt")) if endpoint is Endpoint.COMPLETIONS else [None]
@@ -196,6 +196,7 @@ def prepare(
                 413,
                 f"the job is {size / 2**20:.1f} MiB; a job is at most {MAX_JOB_BYTES // 2**20} MiB",
                 code="request_too_large",
+                param="messages" if row.messages is not None else "prompt",
             )
         num_prompt_tokens = count_prompt_tokens(row, tokenizer)
         _check_context(

@@ -7,6 +7,7 @@ queue, with the HTTP status and OpenAI error code its output line gets.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 from qworker.engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 from qworker.errors import InvalidParamsError
+from qworker.jobs.job import MAX_PROMPT_CHARS
 from qworker.openai.batches.files import InputRow
 from qworker.openai.format import CHAT_URL, COMPLETIONS_URL, SUPPORTED_URLS, RowError
 from qworker.openai.structured_fields import ForcedTool, output_constraint, tools_system_message
@@ -70,6 +72,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
+# SamplingParams' fields: the names its error messages start with.
+SAMPLING_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # OpenAI's chat roles, as the job schema has them (jobs.ChatRole).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
@@ -223,6 +227,14 @@ def parse_prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise RowError("prompt is empty", param="prompt")
+        if len(value) > MAX_PROMPT_CHARS:
+            # A size limit, as a job over the queue's MAX_JOB_BYTES (chat's messages) is: 413 alike.
+            raise RowError(
+                f"prompt is {len(value)} characters; a prompt is at most {MAX_PROMPT_CHARS}",
+                status_code=413,
+                code="request_too_large",
+                param="prompt",
+            )
         return value
     if _is_token_list(value):
         return list(value)
@@ -295,10 +307,13 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
         kwargs["n"] = n
     num_top: int | None = None
     num_prompt: int | None = None
+    max_tokens_field = "max_tokens"
     if endpoint is Endpoint.CHAT:
         max_tokens = body.get("max_completion_tokens")
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
+        else:
+            max_tokens_field = "max_completion_tokens"
         top_logprobs = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if _optional_bool(body, "logprobs"):
             num_top = top_logprobs or 0
@@ -321,10 +336,24 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
         return MappedParams(kwargs, 1, num_top, num_prompt, is_scoring_only=True)
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise RowError(
-            f"max_tokens must be a positive integer (0 only with echo, on completions), got {max_tokens!r}",
-            param="max_tokens",
+            f"{max_tokens_field} must be a positive integer (0 only with echo, on completions), "
+            f"got {max_tokens!r}",
+            param=max_tokens_field,
         )
     return MappedParams(kwargs, max_tokens, num_top, num_prompt)
+
+
+def param_of_sampling_error(message: str, body: dict[str, Any], endpoint: Endpoint) -> str | None:
+    """The body field a SamplingParams check refused: its message starts with the SamplingParams
+    name ("temperature must be >= 0"), spelled here as the body spelled it."""
+    name = message.split(" ", 1)[0]
+    if name == "max_tokens" and endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    if name in ("logprobs", "prompt_logprobs"):
+        return "top_logprobs" if endpoint is Endpoint.CHAT and "top_logprobs" in body else "logprobs"
+    if name == "structured_outputs":
+        return next((f for f in ("structured_outputs", "response_format", "tools") if f in body), name)
+    return name if name in SAMPLING_PARAM_NAMES else None
 
 
 def parse_row(
@@ -388,7 +417,7 @@ def parse_row(
         # The value checks, now: a bad temperature fails this row before it reaches an engine.
         SamplingParams(**mapped.sampling, max_tokens=mapped.max_tokens or MAX_TOKENS_LIMIT)
     except InvalidParamsError as exc:
-        raise RowError(str(exc)) from None
+        raise RowError(str(exc), param=param_of_sampling_error(str(exc), body, endpoint)) from None
     except TypeError as exc:
         raise RowError(f"bad parameter: {exc}") from None
     return RowRequest(
