@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,8 @@ def test_every_backend_requirement_is_an_extra_that_installs_it():
     ],
 )
 def test_a_backend_without_its_library_says_which_extra_to_install(monkeypatch, url, part, module, extra):
+    # As if never installed: not imported (monkeypatch puts it back) and not found.
+    monkeypatch.delitem(sys.modules, module, raising=False)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == module else real_find_spec(name, *a)
