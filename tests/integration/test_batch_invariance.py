@@ -176,6 +176,13 @@ def test_bf16_without_the_mode_differs(prompts: list[list[int]]) -> None:
     """The same comparison with the mode off: some prompt's bits change with its schedule, so the
     test above would fail without batch invariance."""
     llm = LLM("smollm2", dtype="bfloat16", enable_prefix_caching=False, num_kv_blocks=400)
-    runs = {"alone": run_alone(llm, prompts), "together": run_together(llm, prompts)}
-    runs["budget=8"] = run_with_budget(llm, prompts, 8)
-    assert first_difference(runs, "alone") is not None
+    # The same three runs as before (alone, together, budget 8) and the same claim (they are not
+    # all equal), in the order that settles it soonest. On the AVX2 EPYC, "together" and "alone"
+    # agreed on every prompt and budget 8 differed: "alone" (10 calls) runs only if "together"
+    # and "budget 8" agree (72 s -> 58 s alone). Budget 64 tried first agreed too (92 s): not kept.
+    together = run_together(llm, prompts)
+    budget_8 = run_with_budget(llm, prompts, 8)
+    if budget_8 != together:
+        return
+    runs = {"alone": run_alone(llm, prompts), "together": together, "budget=8": budget_8}
+    assert first_difference(runs, "alone") is not None, "bf16 gave the same bits in every schedule"
