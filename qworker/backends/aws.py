@@ -8,10 +8,10 @@ Credentials come from boto3's standard chain (environment, profile, instance rol
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 from urllib.parse import urlsplit
 
+from qworker.backends import Requirement
 from qworker.backends.urls import InvalidURLError, query_params, redact_url, reject_unknown_params, url_number
 from qworker.errors import MissingDependencyError
 
@@ -49,7 +49,7 @@ def aws_parts(url: str) -> tuple[str, str, dict[str, str]]:
 
 def require_boto3(what: str) -> None:
     """Raise MissingDependencyError, naming the extra, when boto3 is not installed."""
-    if importlib.util.find_spec("boto3") is None:
+    if not Requirement("boto3", "aws").is_installed():
         raise MissingDependencyError(f"{what} needs the boto3 package: pip install 'qworker[aws]'")
 
 

@@ -8,7 +8,6 @@ that a process list shows, unless given as plain --queue (a URL without a passwo
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +15,7 @@ from typing import Annotated
 import typer
 
 from qworker import envs
+from qworker.backends import Requirement
 from qworker.cli_options import config_options
 from qworker.errors import MissingDependencyError
 from qworker.gateway.settings import GatewaySettings
@@ -52,7 +52,7 @@ GATEWAY_LIBRARIES = ("fastapi", "uvicorn", "httpx", "tokenizers", "jinja2")
 
 def require_gateway_libraries() -> None:
     """A MissingDependencyError naming the extra when the gateway's libraries are not installed."""
-    missing = [name for name in GATEWAY_LIBRARIES if importlib.util.find_spec(name) is None]
+    missing = [name for name in GATEWAY_LIBRARIES if not Requirement(name, "gateway").is_installed()]
     if missing:
         raise MissingDependencyError(
             f"the gateway needs {', '.join(missing)}: pip install 'qworker[gateway]'"
