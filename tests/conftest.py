@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
 import uuid
 
@@ -66,7 +64,7 @@ def no_process_left_behind(request: pytest.FixtureRequest):
     """Fails the run, naming them, when processes this session started outlive it (each fixture
     that starts one must stop it, on failure and timeout too); they are killed here either way."""
     yield
-    from qworker.testing.worker_kit import processes_with_env
+    from qworker.testing.worker_kit import kill_processes_with_env, processes_with_env
 
     session = os.environ.get(SESSION_ENV)
     if session is None:
@@ -83,9 +81,9 @@ def no_process_left_behind(request: pytest.FixtureRequest):
         time.sleep(0.2)
     if not left:
         return
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    left = kill_processes_with_env(SESSION_ENV, session, keep=frozenset(ours))
+    if not left:
+        return  # they exited between the last look and the kill
     names = "; ".join(f"pid {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
     pytest.fail(f"the suite left {len(left)} process(es) running (now killed): {names}", pytrace=False)
 

@@ -169,13 +169,20 @@ def processes_with_env(name: str, value: str) -> dict[int, str]:
     return found
 
 
-def kill_processes_with_env(name: str, value: str, timeout_s: float = 10.0) -> dict[int, str]:
-    """SIGKILL the processes `processes_with_env` finds, and wait for them; what was killed."""
-    victims = processes_with_env(name, value)
+def kill_processes_with_env(
+    name: str, value: str, timeout_s: float = 10.0, *, keep: frozenset[int] = frozenset()
+) -> dict[int, str]:
+    """SIGKILL the processes `processes_with_env` finds, but those in `keep`, and wait for them;
+    what was killed."""
+
+    def found() -> dict[int, str]:
+        return {pid: cmd for pid, cmd in processes_with_env(name, value).items() if pid not in keep}
+
+    victims = found()
     for pid in victims:
         with contextlib.suppress(ProcessLookupError):  # exited meanwhile
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
-    while processes_with_env(name, value) and time.monotonic() < deadline:
+    while found() and time.monotonic() < deadline:
         time.sleep(0.05)
     return victims
