@@ -219,6 +219,7 @@ class OutputProcessor:
             finished=request.is_finished,
             metrics=state.metrics,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=min(max(request.num_cached_tokens, 0), request.num_prompt_tokens),
             prompt_logprobs=prompt_logprobs,
             error=state.error,
         )

@@ -59,6 +59,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache at the first scheduling (vLLM's
+    # num_cached_tokens; OpenAI's usage.prompt_tokens_details.cached_tokens). 0 when none hit.
+    num_cached_tokens: int = 0
     # One entry per prompt token when SamplingParams.prompt_logprobs is set; None for the first
     # token, which nothing predicts.
     prompt_logprobs: list[LogprobsDict | None] | None = None

@@ -67,6 +67,9 @@ class ParentRequest:
             finished=all(o.finished for o in self.outputs.values()),
             metrics=metrics,
             num_preemptions=sum(o.num_preemptions for o in self.outputs.values()),
+            # The prompt once, as prompt_tokens counts it: completion 0 computes it, and the
+            # others then take its blocks from the cache.
+            num_cached_tokens=self.outputs.get(0, first).num_cached_tokens,
             prompt_logprobs=self.outputs[0].prompt_logprobs if 0 in self.outputs else None,
         )
 

@@ -57,6 +57,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache when the request was first scheduled
+    # (vLLM's num_cached_tokens); -1 until then. A preempted request's recompute does not change it.
+    num_cached_tokens: int = -1
     stop_reason: int | str | None = None
     # Content hashes of the full blocks of token_ids, in order; the KV cache manager appends
     # them as blocks fill (each block is hashed once, and tokens never change).

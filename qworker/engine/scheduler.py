@@ -232,6 +232,8 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             request.num_computed_tokens = cached_prefix.num_tokens
+            if request.num_cached_tokens < 0:  # the first scheduling's hit, not a resume's
+                request.num_cached_tokens = cached_prefix.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._sort_key)
             new_requests.append(

@@ -19,9 +19,18 @@ class JobStatus(str, Enum):
     CANCELLED = "cancelled"
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's `usage.prompt_tokens_details`."""
+
+    # Prompt tokens whose KV came from a worker's prefix cache when the job was first scheduled
+    # (vLLM's num_cached_tokens): 0 when nothing hit. Part of prompt_tokens, never more.
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class Timings(BaseModel):

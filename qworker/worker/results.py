@@ -16,6 +16,7 @@ from qworker.jobs.job import (
     completion_result,
     token_logprobs,
 )
+from qworker.jobs.result import PromptTokensDetails
 
 
 def build_result(
@@ -49,6 +50,7 @@ def build_result(
     result.usage = Usage(
         prompt_tokens=len(output.prompt_token_ids),
         completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
     )
     params = job.params if job is not None else None
     num_top = (params.logprobs or 0) if params is not None else 0

@@ -247,7 +247,8 @@ def test_preempted_request_resumes_from_its_own_cached_blocks() -> None:
     # 5 blocks of 4: two 7-token prompts take 2 blocks each, and both need a third at position 8.
     scheduler = make_scheduler(num_blocks=5)
     scheduler.add_request(make_request("old", list(range(7)), max_tokens=4))
-    scheduler.add_request(make_request("new", list(range(100, 107)), max_tokens=4))
+    new = make_request("new", list(range(100, 107)), max_tokens=4)
+    scheduler.add_request(new)
     plans = []
     while scheduler.has_unfinished_requests():
         plan = scheduler.schedule()
@@ -267,6 +268,8 @@ def test_preempted_request_resumes_from_its_own_cached_blocks() -> None:
     stats = scheduler.kv_cache_manager.stats()
     assert (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) == (7 + 7 + 9, 8)
     assert scheduler.num_prompt_tokens_computed == 14
+    # The resume's 8 hit tokens are its own recompute: the first scheduling hit none.
+    assert (new.num_preemptions, new.num_cached_tokens) == (1, 0)
 
 
 def test_requests_admitted_in_one_plan_share_the_prefix_the_first_computes() -> None:
@@ -466,6 +469,52 @@ def test_seeded_sampling_is_the_same_with_the_prefix_cached_or_not(tiny_llama) -
     assert engine.kv_stats().num_prefix_cache_hits - hits_before == (len(prompt) - 1) // 4 * 4
 
 
+def test_tiny_engine_reports_the_prompt_tokens_its_first_scheduling_found_cached(tiny_llama) -> None:
+    """RequestOutput.num_cached_tokens (OpenAI's usage.prompt_tokens_details.cached_tokens): the
+    whole blocks below the last prompt token that the first scheduling found in the cache."""
+    engine = tiny_engine(tiny_llama)
+    prompt = shared_prefix_prompts(4)[6]  # 53 tokens
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def run(request_id: str, token_ids: list[int], params: SamplingParams = sp):
+        engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        return run_to_completion(engine)[request_id]
+
+    assert run("first", prompt).num_cached_tokens == 0
+    assert run("again", prompt).num_cached_tokens == (len(prompt) - 1) // 4 * 4 == 52
+    # A prompt that shares its first 3 blocks and then differs: those 12 tokens.
+    assert run("partial", [*prompt[:14], 1, *prompt[15:]]).num_cached_tokens == 12
+    # Scoring the prompt computes all of it: nothing is taken from the cache.
+    assert run("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0)).num_cached_tokens == 0
+    # n = 2: the prompt counts once, as prompt_tokens does; completion 0 computed it (completion 1
+    # then took its blocks from the cache).
+    rng = random.Random(11)
+    fresh = [rng.randrange(3, 256) for _ in range(20)]
+    hits_before = engine.kv_stats().num_prefix_cache_hits
+    parent = run("n2", fresh, SamplingParams(n=2, max_tokens=2, temperature=1.0, seed=1, ignore_eos=True))
+    assert len(parent.outputs) == 2 and parent.num_cached_tokens == 0
+    assert engine.kv_stats().num_prefix_cache_hits - hits_before == 16
+
+
+def test_tiny_engine_cached_tokens_are_not_inflated_by_a_preemption(tiny_llama) -> None:
+    # 16 blocks of 4: two 11-token prompts that grow by 24 tokens need 9 blocks each, so the
+    # newer one is preempted while they grow, and its resume finds far more than 8 tokens cached.
+    engine = tiny_engine(tiny_llama, num_kv_blocks=16)
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 256) for _ in range(8)]
+    engine.add_request("warm", {"prompt_token_ids": [*shared, 7]}, SamplingParams(max_tokens=1))
+    run_to_completion(engine)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request("older", {"prompt_token_ids": [rng.randrange(3, 256) for _ in range(11)]}, sp)
+    engine.add_request("newer", {"prompt_token_ids": [*shared, 40, 41, 42]}, sp)
+    hits_before = engine.kv_stats().num_prefix_cache_hits
+    outputs = run_to_completion(engine)
+    newer = outputs["newer"]
+    assert newer.num_preemptions >= 1 and outputs["older"].num_preemptions == 0
+    assert engine.kv_stats().num_prefix_cache_hits - hits_before > 8 + 8
+    assert (newer.num_cached_tokens, outputs["older"].num_cached_tokens) == (8, 0)
+
+
 def test_abort_mid_prefill_leaves_what_was_computed_cached(tiny_llama) -> None:
     prompt = shared_prefix_prompts(4)[6]  # 53 tokens
     engine = tiny_engine(tiny_llama, max_num_batched_tokens=10)
@@ -521,6 +570,7 @@ def run_worker_on_shared_prefix_jobs(tiny_llama, enable_prefix_caching: bool) ->
     rng = random.Random(3)
     prefix = [rng.randrange(3, 256) for _ in range(40)]
     queue = MemoryQueue("jobs")
+    sink = MemoryResultSink()
     for i in range(24):
         body = {
             "prompt_token_ids": prefix + [rng.randrange(3, 256) for _ in range(3)],
@@ -531,7 +581,7 @@ def run_worker_on_shared_prefix_jobs(tiny_llama, enable_prefix_caching: bool) ->
     worker = Worker(
         engine,
         MemorySource(queue, consumer="w1"),
-        MemoryResultSink(),
+        sink,
         WorkerSettings(name="w1", max_backlog=max_backlog, poll_interval_s=0.01, cancel_check_interval_s=0.0),
     )
     seen = {"max_running": 0, "max_held": 0}
@@ -551,6 +601,9 @@ def run_worker_on_shared_prefix_jobs(tiny_llama, enable_prefix_caching: bool) ->
     assert queue.depth() == 0
     seen["num_preemptions"] = engine.scheduler.num_preemptions
     seen["stats"] = engine.kv_stats()
+    # The stored results' JSON, as consumers read it back.
+    results = [json.loads(sink.get_result(f"j{i}").model_dump_json()) for i in range(24)]  # type: ignore[union-attr]
+    seen["cached_tokens"] = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results]
     return seen
 
 
@@ -562,3 +615,7 @@ def test_admission_holds_more_jobs_when_they_share_a_cached_prefix(tiny_llama) -
     assert on["max_running"] >= 8, on
     assert on["max_held"] > off["max_held"]
     assert on["stats"].num_prefix_cache_hits >= 20 * 40
+    # Each result says what its prompt found: the first job nothing, every later one the shared
+    # prefix's 10 blocks; with the cache off, nothing.
+    assert off["cached_tokens"] == [0] * 24
+    assert on["cached_tokens"] == [0] + [40] * 23
