@@ -116,6 +116,9 @@ class OutgoingJob:
     # The job's priority (lower runs first): a queue with a priority lane puts it there when it
     # is urgent enough (Redis Streams with high_lane_max_priority).
     priority: int = 0
+    # The job's affinity key (qworker/jobs/affinity.py): a queue with affinity lanes puts jobs
+    # of one key on one lane; None: no key (the queue's shared stream).
+    affinity: str | None = None
 
 
 class JobProducer(abc.ABC):

@@ -27,6 +27,7 @@ from qworker.backends.connections import (
 )
 from qworker.backends.source import OutgoingJob
 from qworker.errors import StreamRestartedError
+from qworker.jobs.affinity import affinity_key
 from qworker.jobs.job import Job, JobResult, encode_job
 
 
@@ -76,7 +77,10 @@ class Client:
         allows). Returns their ids."""
         validated = [self._as_job(job) for job in jobs]
         self.producer.send(
-            [OutgoingJob(job.id, encode_job(job), group_id, job.priority) for job in validated]
+            [
+                OutgoingJob(job.id, encode_job(job), group_id, job.priority, affinity_key(job))
+                for job in validated
+            ]
         )
         return [job.id for job in validated]
 

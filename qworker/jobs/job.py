@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from qworker.engine.sampling_params import SamplingParams
+from qworker.jobs.affinity import affinity_problem
 from qworker.jobs.result import (
     CompletionResult,
     JobError,
@@ -193,6 +194,14 @@ class Job(BaseModel):
     prompt_token_ids: list[StrictInt] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)
+    affinity: str | None = Field(
+        default=None,
+        strict=True,
+        description=(
+            "Jobs with equal keys go to one lane of a queue with affinity lanes, so that the worker "
+            "holding their prefix pulls them; without one, a key is derived from the prompt's start."
+        ),
+    )
     timeout_s: float | None = Field(
         default=None, gt=0, strict=True, description="Execution deadline, from when a worker takes the job."
     )
@@ -212,6 +221,14 @@ class Job(BaseModel):
                 problem = _strict_type_problem(name, item)
                 if problem is not None:
                     raise ValueError(problem)
+        return value
+
+    @field_validator("affinity")
+    @classmethod
+    def _affinity_is_a_key(cls, value: str | None) -> str | None:
+        problem = None if value is None else affinity_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")

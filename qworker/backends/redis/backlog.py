@@ -1,5 +1,5 @@
-"""The backlog of a Redis Streams queue (the stream and its priority lane), in jobs and KV blocks:
-see ../backlog.py for what each term means."""
+"""The backlog of a Redis Streams queue (the stream, its priority lane and its affinity lanes), in
+jobs and KV blocks, summed over them all: see ../backlog.py for what each term means."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 from qworker.backends.backlog import DEFAULT_SAMPLE_LIMIT, Backlog, QueueWork
 from qworker.backends.redis import keys
 from qworker.backends.redis.connection import parse_redis_url, redis_client
-from qworker.backends.redis.queue_streams import queue_streams
+from qworker.backends.redis.lanes import QueueStreams
+from qworker.backends.redis.queue_streams import queue_lanes, queue_streams
 from qworker.backends.urls import url_number
 from qworker.pool.demand import PoolSizing, Work, body_blocks, extrapolate
 from qworker.utils import as_text
@@ -24,10 +25,12 @@ class RedisStreamBacklog:
         group: str = keys.DEFAULT_GROUP,
         lease_timeout_s: float = 30.0,
         sample_limit: int = DEFAULT_SAMPLE_LIMIT,
+        streams: QueueStreams | None = None,
     ) -> None:
         self.redis = redis
         self.sizing = sizing
-        self.stream = stream
+        self.streams = streams or QueueStreams.of(stream, 1, cluster=False)
+        self.stream = self.streams.stream
         self.group = group
         self.lease_timeout_s = lease_timeout_s
         self.sample_limit = sample_limit
@@ -53,14 +56,20 @@ class RedisStreamBacklog:
         return blocks
 
     def read(self, live_workers: set[str] | None) -> QueueWork:
-        lane = self._read_stream(keys.high_lane_stream(self.stream), live_workers)
-        main = self._read_stream(self.stream, live_workers)
-        return QueueWork(lane.waiting + main.waiting, lane.in_flight + main.in_flight)
+        # The lengths in one round trip: most lanes are empty at any moment and cost nothing more.
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self.streams.all:
+            pipe.xlen(stream)
+        sizes = [int(n) for n in pipe.execute()]
+        waiting, in_flight = Work(), Work()
+        for stream, num_entries in zip(self.streams.all, sizes, strict=True):
+            if num_entries == 0:
+                continue
+            work = self._read_stream(stream, num_entries, live_workers)
+            waiting, in_flight = waiting + work.waiting, in_flight + work.in_flight
+        return QueueWork(waiting, in_flight)
 
-    def _read_stream(self, stream: str, live_workers: set[str] | None) -> QueueWork:
-        num_entries = int(self.redis.xlen(stream))
-        if num_entries == 0:
-            return QueueWork(Work(), Work())
+    def _read_stream(self, stream: str, num_entries: int, live_workers: set[str] | None) -> QueueWork:
         group = self._group_info(stream)
         if group is None:
             # No worker ever joined (scale from zero): every entry waits.
@@ -105,10 +114,11 @@ def open_backlog(url: str, sizing: PoolSizing, lease_timeout_s: float | None) ->
     # The same parsing as the source's: the same parameters, checked the same way.
     parsed = parse_redis_url(url)
     redis = redis_client(parsed.connection_url)
+    stream = queue_streams(url, parsed, redis)[0]
     return RedisStreamBacklog(
         redis,
         sizing,
-        stream=queue_streams(url, parsed, redis)[0],
         group=parsed.params.get("group", keys.DEFAULT_GROUP),
         lease_timeout_s=lease_timeout_s or url_number(parsed.params, "lease_timeout_s", 30.0),
+        streams=queue_lanes(url, parsed, redis, stream),
     )

@@ -33,7 +33,15 @@ logger = logging.getLogger(__name__)
 
 # qworker's own query parameters. A Redis URL may serve as queue and results at once, so both
 # sets are accepted on either side.
-SOURCE_PARAMS = {"stream", "group", "dead_letter", "lease_timeout_s", "high_lane_max_priority"}
+SOURCE_PARAMS = {
+    "stream",
+    "group",
+    "dead_letter",
+    "lease_timeout_s",
+    "high_lane_max_priority",
+    "affinity_lanes",
+    "steal_after_s",
+}
 SINK_PARAMS = {"prefix", "result_ttl_s", "delta_ttl_s", "delta_maxlen"}
 # WAIT after writes that must survive a failover: how many replicas, how long (wait_for_replicas).
 DURABILITY_PARAMS = {"wait_replicas", "wait_timeout_ms"}

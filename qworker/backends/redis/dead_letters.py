@@ -18,10 +18,12 @@ from qworker.backends.redis.connection import (
     NO_WAIT,
     Durability,
     durability,
+    key_layout,
     parse_redis_url,
     redis_client,
 )
-from qworker.backends.redis.queue_streams import queue_streams
+from qworker.backends.redis.lanes import QueueStreams
+from qworker.backends.redis.queue_streams import queue_lanes, queue_streams
 from qworker.backends.sink import ResultSink
 from qworker.utils import as_text
 
@@ -34,9 +36,13 @@ class RedisStreamDeadLetters(DeadLetterQueue):
         stream: str,
         dead_letter_stream: str,
         durable: Durability = NO_WAIT,
+        streams: QueueStreams | None = None,
+        cluster: bool = False,
     ) -> None:
         self.redis = redis
         self.durable = durable
+        self.streams = streams or QueueStreams.of(stream, 1, cluster=cluster)
+        self.cluster = cluster
         self.stream = stream
         self.dead_letter_stream = dead_letter_stream
 
@@ -85,11 +91,17 @@ class RedisStreamDeadLetters(DeadLetterQueue):
             if letter.job_id is not None:
                 fields = {keys.FIELD_JOB_ID: letter.job_id, **fields}
             # Back to the lane it came from; anything else (a dead letter from an older stream
-            # name) to the stream.
-            high_lane = keys.high_lane_stream(self.stream)
-            target = high_lane if letter.source == high_lane else self.stream
-            pipe = self.redis.pipeline(transaction=True)
+            # name or lane count) to the stream.
+            target = letter.source if letter.source in self.streams.all else self.stream
+            # On a cluster an affinity lane sits in another slot than the dead letters: the job
+            # is written back first, then its letter deleted (a crash in between leaves the
+            # letter to be replayed again, which replays the same job id: one result).
+            in_one_slot = not (self.cluster and target in self.streams.lanes)
+            pipe = self.redis.pipeline(transaction=in_one_slot)
             pipe.xadd(target, fields)
+            if not in_one_slot:
+                pipe.execute()
+                pipe = self.redis.pipeline(transaction=True)
             pipe.xdel(self.dead_letter_stream, letter.id)
             pipe.execute()
             self.durable.wait(self.redis)
@@ -108,4 +120,11 @@ def open_dead_letters(url: str) -> RedisStreamDeadLetters:
     parsed = parse_redis_url(url)
     redis = redis_client(parsed.connection_url)
     stream, dead = queue_streams(url, parsed, redis)
-    return RedisStreamDeadLetters(redis, stream=stream, dead_letter_stream=dead, durable=durability(parsed))
+    return RedisStreamDeadLetters(
+        redis,
+        stream=stream,
+        dead_letter_stream=dead,
+        durable=durability(parsed),
+        streams=queue_lanes(url, parsed, redis, stream),
+        cluster=key_layout(url).hash_tags,
+    )

@@ -45,6 +45,30 @@ DEFAULT_LAST_ERROR_TTL_S = 24 * 3600
 HIGH_LANE_PREFIX = "high:"
 
 
+# An affinity lane's entry gets `lane<i>:` in front of its entry id (see lanes.py).
+LANE_PREFIX = "lane"
+
+
+def lane_stream(stream: str, index: int, *, cluster: bool) -> str:
+    """Affinity lane `index` of a job stream. On a cluster each lane is its own hash tag, so that
+    the lanes spread over the nodes (the stream's tag braces dropped from the name)."""
+    if not cluster:
+        return f"{stream}:lane:{index}"
+    return "{" + stream.replace("{", "").replace("}", "") + f":lane:{index}" + "}"
+
+
+def lanes_config_key(stream: str) -> str:
+    """The queue's lane count, set by its first producer or worker: a URL that says another is
+    refused, since jobs would wait on lanes that nobody reads."""
+    return f"{stream}:lanes"
+
+
+def lane_workers_key(stream: str) -> str:
+    """A sorted set of the workers reading the queue, scored by their last heartbeat (the
+    server's clock, in ms): the live set that lane ownership is computed over."""
+    return f"{stream}:workers"
+
+
 def dead_letter_stream(stream: str) -> str:
     return f"{stream}:dead"
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from qworker.backends.redis import keys
 from qworker.backends.redis.connection import key_layout
-from qworker.backends.urls import InvalidURLError, ParsedURL, redact_url
+from qworker.backends.redis.lanes import QueueStreams
+from qworker.backends.urls import InvalidURLError, ParsedURL, redact_url, url_integer
 
 
 def is_no_group(exc: Exception) -> bool:
@@ -55,3 +56,25 @@ def queue_streams(url: str, parsed: ParsedURL, redis: Any) -> tuple[str, str]:
             f"give it the stream's hash tag, e.g. dead_letter={stream}:dead"
         )
     return stream, dead
+
+
+def queue_lanes(url: str, parsed: ParsedURL, redis: Any, stream: str) -> QueueStreams:
+    """The queue's streams with its `affinity_lanes` (default 1: no lanes). The first producer
+    or worker records the count on the server; a URL that says another count is refused with
+    an InvalidURLError, since jobs would then wait on lanes that nobody reads."""
+    num_lanes = url_integer(parsed.params, "affinity_lanes")
+    num_lanes = 1 if num_lanes is None else num_lanes
+    try:
+        streams = QueueStreams.of(stream, num_lanes, cluster=key_layout(url).hash_tags)
+    except ValueError as exc:
+        raise InvalidURLError(f"{exc} (in {redact_url(url)!r})") from None
+    config = keys.lanes_config_key(stream)
+    redis.set(config, num_lanes, nx=True)
+    recorded = redis.get(config)
+    if recorded is not None and int(recorded) != num_lanes:
+        raise InvalidURLError(
+            f"the queue {stream!r} has affinity_lanes={int(recorded)} (recorded in {config!r}); "
+            f"{redact_url(url)!r} says {num_lanes}: give every producer and worker the same count, or, "
+            f"to change it, stop the producers, drain the queue and delete {config!r}"
+        )
+    return streams

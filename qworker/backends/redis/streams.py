@@ -1,24 +1,28 @@
-"""Job source on a Redis Stream with a consumer group, and its priority lane.
+"""Job source on a Redis Stream with a consumer group: its priority lane and its affinity lanes.
 
-Two streams share the group: the priority lane `{stream}:high` and `{stream}` itself. A producer
-with `high_lane_max_priority=N` in its URL writes jobs of priority N or lower (more urgent) to the
-lane; a worker always reads the lane first, so an urgent job is leased at the worker's next free
-slot however deep the stream is (docs/queues.md, "Priority").
+The streams of one queue share the group (lanes.py): the priority lane `{stream}:high`, the stream
+itself, and with `affinity_lanes=L` (L > 1) the lanes `{stream}:lane:<i>`. A worker reads them in
+its reading order (lanes.py, lane_reads.py): an urgent job is leased at the worker's next free slot
+however deep the rest are (docs/queues.md, "Priority"), and a job with an affinity key goes to the
+worker that owns its lane unless it has waited `steal_after_s` and another worker has room.
 
-- lease: XAUTOCLAIM of entries whose lease expired (their consumer died), lane first, then
-  XREADGROUP of the lane and then the stream for what is left, in one script call.
+- lease: expired leases first (XPENDING ... IDLE, then XCLAIM: their consumer died), then new
+  entries in the reading order, in one script call on one server.
 - extend: XCLAIM ... JUSTID resets an entry's idle time without counting a delivery.
 - ack: XACK + XDEL in one transaction, after the result is stored.
-- release: set the entry's idle time past the lease, so the next XAUTOCLAIM of any peer takes it.
+- release: set the entry's idle time past the lease, so the next reclaim of any peer takes it.
 - dead_letter: XADD the entry with its reason to the dead-letter stream, then ack it.
+- heartbeat (with lanes): the worker's score in `{stream}:workers`, the live set that lane
+  ownership is computed over; a worker is live while its heartbeat is younger than its lease.
 
-A Redis that restarted without persistence has lost the stream and its group (NOGROUP): the
-group is made again, leases held on the old stream are reported lost, and acks of entries that
+A Redis that restarted without persistence has lost the streams and their group (NOGROUP): the
+group is made again, leases held on the old streams are reported lost, and acks of entries that
 no longer exist are done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -27,12 +31,20 @@ from qworker.backends.redis.connection import (
     NO_WAIT,
     Durability,
     durability,
+    key_layout,
     parse_redis_url,
     worker_client,
 )
-from qworker.backends.redis.queue_streams import ensure_group, is_no_group, queue_streams
+from qworker.backends.redis.lane_reads import (
+    Entry,
+    PipelinedLaneReader,
+    ScriptLaneReader,
+    expired_leases,
+)
+from qworker.backends.redis.lanes import QueueStreams, ReadingOrder, reading_order
+from qworker.backends.redis.queue_streams import ensure_group, is_no_group, queue_lanes, queue_streams
 from qworker.backends.source import JobSource, Lease
-from qworker.backends.urls import url_number
+from qworker.backends.urls import InvalidURLError, redact_url, url_number
 from qworker.jobs.job import job_id_problem
 from qworker.utils import as_text
 
@@ -53,29 +65,26 @@ end
 return lost
 """
 
-# New entries, the most urgent lane first, up to a total count, in one round trip.
-# KEYS: the lanes in reading order; ARGV: group, consumer, count.
-# Returns {lane index (1-based), entry id, {field, value, ...}} per entry.
-_READ_LANES_LUA = """
-local out = {}
-local left = tonumber(ARGV[3])
-for i, key in ipairs(KEYS) do
-  if left <= 0 then break end
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', key, '>')
-  if reply then
-    for _, entry in ipairs(reply[1][2]) do
-      table.insert(out, {i, entry[1], entry[2]})
-    end
-    left = left - #reply[1][2]
-  end
-end
-return out
+# The worker's heartbeat, on the server's clock. KEYS[1]: the workers' sorted set; ARGV: worker,
+# live_ms. Drops workers silent for ten times that; returns the live ones.
+_HEARTBEAT_LUA = """
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local live_ms = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms - 10 * live_ms)
+return redis.call('ZRANGEBYSCORE', KEYS[1], ms - live_ms, '+inf')
 """
 
 # Dead-letter entries are kept for inspection, up to about this many.
 DEAD_LETTER_MAXLEN = 100_000
 # A released entry looks idle for this long: well past any lease, so the next reclaim takes it.
 RELEASED_IDLE_MS = 10 * 365 * 24 * 3600 * 1000
+# An entry of another worker's lane is taken once it has waited this long (seconds).
+DEFAULT_STEAL_AFTER_S = 0.5
+# On a cluster a blocking read cannot span the lanes' slots: it waits on the priority lane and
+# the stream only, this long at most, and then reads the lanes again.
+CLUSTER_BLOCK_S = 0.25
 
 
 class RedisStreamSource(JobSource):
@@ -90,50 +99,82 @@ class RedisStreamSource(JobSource):
         lease_timeout_s: float = 30.0,
         reclaim_interval_s: float = 1.0,
         durable: Durability = NO_WAIT,
+        streams: QueueStreams | None = None,
+        steal_after_s: float = DEFAULT_STEAL_AFTER_S,
+        cluster: bool = False,
     ) -> None:
         self.redis = redis
         self.durable = durable
-        self.stream = stream
+        self.streams = streams or QueueStreams.of(stream, 1, cluster=cluster)
+        self.stream = self.streams.stream
         self.group = group
         self.consumer = consumer
-        self.dead_letter_stream = dead_letter_stream or keys.dead_letter_stream(stream)
+        self.dead_letter_stream = dead_letter_stream or keys.dead_letter_stream(self.stream)
         self.lease_timeout_s = lease_timeout_s
         self.reclaim_interval_s = reclaim_interval_s
-        self.high_stream = keys.high_lane_stream(stream)
-        # Reading order: the priority lane first.
-        self.lanes = (self.high_stream, stream)
-        self.queue_name = f"redis-stream:{stream}"
+        self.steal_after_s = steal_after_s
+        self.cluster = cluster
+        self.high_stream = self.streams.high
+        self.queue_name = f"redis-stream:{self.stream}"
         self._claim_owned = redis.register_script(_CLAIM_OWNED_LUA)
-        self._read_lanes = redis.register_script(_READ_LANES_LUA)
-        self._reclaim_cursors = dict.fromkeys(self.lanes, "0-0")
+        self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
+        self._reader = (PipelinedLaneReader if cluster else ScriptLaneReader)(redis, group, consumer)
         self._last_reclaim = 0.0
+        # Lane ownership: the live workers at the last heartbeat, and this worker's order.
+        self._live: frozenset[str] = frozenset({consumer})
+        self._last_heartbeat = float("-inf")
+        self._orders: dict[frozenset[str], list[ReadingOrder]] = {}
+        self._rotation = 0
         self._ensure_groups()
 
     def _ensure_groups(self) -> None:
-        for lane in self.lanes:
-            ensure_group(self.redis, lane, self.group)
+        for stream in self.streams.all:
+            ensure_group(self.redis, stream, self.group)
 
-    def _message_id(self, lane: str, entry_id: Any) -> str:
-        entry = as_text(entry_id)  # the server made it: ASCII "<ms>-<seq>"
-        return keys.HIGH_LANE_PREFIX + entry if lane == self.high_stream else entry
-
-    def _lane_of(self, message_id: str) -> tuple[str, str]:
-        """(stream, entry id) of a lease's message id."""
-        if message_id.startswith(keys.HIGH_LANE_PREFIX):
-            return self.high_stream, message_id[len(keys.HIGH_LANE_PREFIX) :]
-        return self.stream, message_id
-
-    def _by_lane(self, leases: list[Lease]) -> dict[str, dict[str, Lease]]:
+    def _by_stream(self, leases: list[Lease]) -> dict[str, dict[str, Lease]]:
         """{stream: {entry id: lease}} of the leases."""
         grouped: dict[str, dict[str, Lease]] = {}
         for lease in leases:
-            lane, entry_id = self._lane_of(lease.message_id)
-            grouped.setdefault(lane, {})[entry_id] = lease
+            stream, entry_id = self.streams.locate(lease.message_id)
+            grouped.setdefault(stream, {})[entry_id] = lease
         return grouped
+
+    # -- lane ownership ----------------------------------------------------------------------
+
+    def live_workers(self) -> frozenset[str]:
+        """The workers reading the queue at the last heartbeat (this one included)."""
+        return self._live
+
+    def _beat(self) -> None:
+        """Refresh this worker's heartbeat and the live set, at most three times a lease."""
+        if not self.streams.lanes:
+            return
+        now = time.monotonic()
+        if now - self._last_heartbeat < self.lease_timeout_s / 3:
+            return
+        self._last_heartbeat = now
+        live_ms = int(self.lease_timeout_s * 1000)
+        workers = self._heartbeat(keys=[keys.lane_workers_key(self.stream)], args=[self.consumer, live_ms])
+        self._live = frozenset({self.consumer, *(as_text(w) for w in workers)})
+
+    def reading_order(self) -> ReadingOrder:
+        """This worker's reading order now: its own lanes turned by one at each call."""
+        orders = self._orders.get(self._live)
+        if orders is None:
+            self._orders = {}  # the live set changed: the old orders are stale
+            first = reading_order(self.streams, self.consumer, self._live, 0)
+            orders = [
+                ReadingOrder(first.urgent, first.fair[turn:] + first.fair[:turn], first.stealable)
+                for turn in range(len(first.fair))
+            ]
+            self._orders[self._live] = orders
+        self._rotation += 1
+        return orders[self._rotation % len(orders)]
 
     # -- lease -------------------------------------------------------------------------------
 
     def lease(self, max_count: int, block_s: float, *, is_idle: bool = True) -> list[Lease]:
+        self._beat()
         if max_count <= 0:
             return []
         leases: list[Lease] = []
@@ -150,83 +191,57 @@ class RedisStreamSource(JobSource):
         return leases
 
     def _read_new(self, count: int, block_s: float) -> list[Lease]:
+        order = self.reading_order()
+        steal_after_ms = int(self.steal_after_s * 1000)
         try:
-            leases = self._read_ready(count)
+            leases = [self._lease_of(e, 1) for e in self._reader.read(order, count, steal_after_ms)]
             if leases or block_s <= 0:
                 return leases
-            # Nothing ready: wait on both streams at once. One entry per stream, so that at most
-            # one more than asked comes back when both get one in the same instant; the rest of
-            # the count is read at once after the wake-up.
+            # Nothing ready: wait on the urgent and fair streams at once (on a cluster, those in
+            # the stream's slot), one entry each, so that at most a few more than asked come back
+            # when several get one in the same instant; the rest of the count is read at once
+            # after the wake-up. With lanes to steal from, the wait ends in time to steal.
+            waited = (self.high_stream, self.stream) if self.cluster else (order.urgent, *order.fair)
+            if order.stealable:
+                block_s = min(block_s, self.steal_after_s)
+            if self.cluster and self.streams.lanes:
+                block_s = min(block_s, CLUSTER_BLOCK_S)
             reply = self.redis.xreadgroup(
-                self.group, self.consumer, dict.fromkeys(self.lanes, ">"), count=1, block=int(block_s * 1000)
+                self.group,
+                self.consumer,
+                dict.fromkeys(waited, ">"),
+                count=1,
+                block=max(1, int(block_s * 1000)),
             )
         except Exception as exc:
             if not is_no_group(exc):
                 raise
             self._ensure_groups()
             return []
-        by_lane = {as_text(stream): entries for stream, entries in reply or []}
+        by_stream = {as_text(stream): entries for stream, entries in reply or []}
         leases = [
-            self._make_lease(lane, entry_id, fields, delivery_count=1)
-            for lane in self.lanes
-            for entry_id, fields in by_lane.get(lane, [])
+            self._lease_of(Entry(stream, as_text(entry_id), fields), 1)
+            for stream in waited
+            for entry_id, fields in by_stream.get(stream, [])
         ]
-        if leases and len(leases) < count:
+        if len(leases) < count:
             leases += self._read_new(count - len(leases), 0.0)
-        return leases
-
-    def _read_ready(self, count: int) -> list[Lease]:
-        """Entries ready now, the lane's first, up to `count`, in one round trip."""
-        reply = self._read_lanes(keys=list(self.lanes), args=[self.group, self.consumer, count])
-        leases = []
-        for lane_index, entry_id, flat_fields in reply or []:
-            fields = dict(zip(flat_fields[::2], flat_fields[1::2], strict=True))
-            leases.append(self._make_lease(self.lanes[int(lane_index) - 1], entry_id, fields, 1))
         return leases
 
     def _reclaim(self, count: int) -> list[Lease]:
         self._last_reclaim = time.monotonic()
-        leases: list[Lease] = []
-        for lane in self.lanes:
-            if len(leases) < count:
-                leases += self._reclaim_lane(lane, count - len(leases))
-        return leases
-
-    def _reclaim_lane(self, lane: str, count: int) -> list[Lease]:
         min_idle_ms = int(self.lease_timeout_s * 1000)
-        try:
-            cursor = self._reclaim_cursors[lane]
-            reply = self.redis.xautoclaim(
-                lane, self.group, self.consumer, min_idle_ms, start_id=cursor, count=count
-            )
-        except Exception as exc:
-            if not is_no_group(exc):
-                raise
-            self._ensure_groups()
-            self._reclaim_cursors = dict.fromkeys(self.lanes, "0-0")
-            return []
-        cursor, entries = reply[0], reply[1]
-        self._reclaim_cursors[lane] = as_text(cursor)
-        entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
-        if not entries:
-            return []
-        # XAUTOCLAIM does not return delivery counts; XPENDING does (one round trip for all).
-        pipe = self.redis.pipeline(transaction=False)
-        for entry_id, _ in entries:
-            pipe.xpending_range(lane, self.group, min=entry_id, max=entry_id, count=1)
-        counts = []
-        for info in pipe.execute():
-            counts.append(int(info[0]["times_delivered"]) if info else 1)
-        return [
-            self._make_lease(lane, entry_id, fields, count)
-            for (entry_id, fields), count in zip(entries, counts, strict=True)
-        ]
+        claimed = expired_leases(self.redis, self.streams.all, self.group, self.consumer, count, min_idle_ms)
+        return [self._lease_of(entry, delivered) for entry, delivered in claimed]
+
+    def _lease_of(self, entry: Entry, delivery_count: int) -> Lease:
+        return self._make_lease(entry.stream, entry.entry_id, entry.fields, delivery_count)
 
     def _make_lease(self, lane: str, entry_id: Any, fields: dict[Any, Any], delivery_count: int) -> Lease:
         """The lease of one entry, whatever its fields hold: this never raises. An entry whose id
         field cannot name a result is leased with a `rejection` (the worker dead-letters it);
         any other oddity (no body, a body that is not a job) is the worker's to judge."""
-        message_id = self._message_id(lane, entry_id)
+        message_id = self.streams.message_id(lane, as_text(entry_id))
         body = _field(fields, keys.FIELD_BODY)
         raw_job_id = _field(fields, keys.FIELD_JOB_ID)
         job_id: str | None = None
@@ -264,7 +279,7 @@ class RedisStreamSource(JobSource):
 
     def extend(self, leases: list[Lease]) -> list[Lease]:
         lost: list[Lease] = []
-        for lane, held in self._by_lane(leases).items():
+        for lane, held in self._by_stream(leases).items():
             try:
                 lost_ids = self._claim_owned(keys=[lane], args=[self.group, self.consumer, 0, *held])
             except Exception as exc:
@@ -278,7 +293,7 @@ class RedisStreamSource(JobSource):
         return lost
 
     def ack(self, lease: Lease) -> None:
-        lane, entry_id = self._lane_of(lease.message_id)
+        lane, entry_id = self.streams.locate(lease.message_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.xack(lane, self.group, entry_id)
         # Acked entries are deleted so that the stream does not grow without bound. (A second
@@ -291,7 +306,7 @@ class RedisStreamSource(JobSource):
                 raise  # with no group, the entry is gone: nothing left to ack
 
     def release(self, leases: list[Lease]) -> None:
-        for lane, held in self._by_lane(leases).items():
+        for lane, held in self._by_stream(leases).items():
             try:
                 self._claim_owned(keys=[lane], args=[self.group, self.consumer, RELEASED_IDLE_MS, *held])
             except Exception as exc:
@@ -299,8 +314,7 @@ class RedisStreamSource(JobSource):
                     raise
 
     def dead_letter(self, lease: Lease, reason: str) -> None:
-        lane, entry_id = self._lane_of(lease.message_id)
-        pipe = self.redis.pipeline(transaction=True)
+        lane, entry_id = self.streams.locate(lease.message_id)
         entry = {
             "source_stream": lane,
             "message_id": entry_id,
@@ -311,7 +325,15 @@ class RedisStreamSource(JobSource):
         }
         if lease.job_id is not None:
             entry[keys.FIELD_JOB_ID] = lease.job_id
+        # On a cluster an affinity lane sits in another slot than the dead letters, so the letter
+        # is written first and the entry acked after: a crash in between leaves the entry to be
+        # leased again and dead-lettered a second time, never lost.
+        in_one_slot = not (self.cluster and lane in self.streams.lanes)
+        pipe = self.redis.pipeline(transaction=in_one_slot)
         pipe.xadd(self.dead_letter_stream, entry, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        if not in_one_slot:
+            pipe.execute()
+            pipe = self.redis.pipeline(transaction=True)
         pipe.xack(lane, self.group, entry_id)
         pipe.xdel(lane, entry_id)
         pipe.execute()
@@ -321,8 +343,8 @@ class RedisStreamSource(JobSource):
 
     def num_pending(self) -> int | None:
         pipe = self.redis.pipeline(transaction=False)
-        for lane in self.lanes:
-            pipe.xpending(lane, self.group)
+        for stream in self.streams.all:
+            pipe.xpending(stream, self.group)
         total = 0
         for summary in pipe.execute():
             for consumer in summary.get("consumers") or []:
@@ -331,6 +353,10 @@ class RedisStreamSource(JobSource):
         return total
 
     def close(self) -> None:
+        if self.streams.lanes:
+            # Leaving at once hands this worker's lanes to the others now, not after its lease.
+            with contextlib.suppress(Exception):  # closing: the heartbeat expires anyway
+                self.redis.zrem(keys.lane_workers_key(self.stream), self.consumer)
         self.redis.close()
 
 
@@ -344,12 +370,17 @@ def open_source(url: str, consumer: str, lease_timeout_s: float | None) -> Redis
     parsed = parse_redis_url(url)
     redis = worker_client(parsed.connection_url)
     stream, dead = queue_streams(url, parsed, redis)
+    steal_after_s = url_number(parsed.params, "steal_after_s", DEFAULT_STEAL_AFTER_S)
+    if steal_after_s < 0:
+        raise InvalidURLError(f"steal_after_s must be >= 0, got {steal_after_s} (in {redact_url(url)!r})")
     return RedisStreamSource(
         redis,
-        stream=stream,
         group=parsed.params.get("group", keys.DEFAULT_GROUP),
         consumer=consumer,
         dead_letter_stream=dead,
         lease_timeout_s=lease_timeout_s or url_number(parsed.params, "lease_timeout_s", 30.0),
         durable=durability(parsed),
+        streams=queue_lanes(url, parsed, redis, stream),
+        steal_after_s=steal_after_s,
+        cluster=key_layout(url).hash_tags,
     )
