@@ -19,6 +19,13 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus at least one generated token) does not fit in the model's context."""
 
 
+class ResumeRefusedError(InvalidRequestError):
+    """Output tokens handed to the engine to continue a request from (an earlier attempt's) that
+    it cannot continue: another model's or a corrupt checkpoint's tokens, past max_tokens or the
+    context, a stop among them, text that does not match them, or a request kind that does not
+    resume (n > 1, logprobs, structured outputs). The caller starts the request from zero."""
+
+
 class UnknownModelError(QworkerError, ValueError):
     """The model name or path does not resolve to a model qworker can load."""
 

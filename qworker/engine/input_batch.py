@@ -27,6 +27,8 @@ class CachedRequestState:
     # Every token the runner has seen for this request; kept only where a step needs the whole
     # sequence (longrope's recompute past its original context), else None.
     token_ids: list[int] | None
+    # Output tokens an earlier run generated (NewRequestData.num_resumed_tokens).
+    num_resumed_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,6 +62,7 @@ class InputBatch:
             sampling_params=new.sampling_params,
             num_scored_prompt_tokens=new.num_scored_prompt_tokens,
             token_ids=list(new.token_ids) if self.keep_token_ids else None,
+            num_resumed_tokens=new.num_resumed_tokens,
         )
         self.requests[new.request_id] = state
         return state

@@ -15,12 +15,13 @@ from qworker.engine.output_processor import OutputProcessor
 from qworker.engine.outputs import RequestOutput, StepOutput
 from qworker.engine.parallel_sampling import ParentRequest, child_id, child_params
 from qworker.engine.request import Request, RequestStatus
+from qworker.engine.resume import ResumeFrom, resume_problem
 from qworker.engine.runner import ModelRunner
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
 from qworker.engine.structured import StructuredOutputs
 from qworker.engine.structured.manager import StructuredOutputManager
-from qworker.errors import EngineStepError, InvalidRequestError
+from qworker.errors import EngineStepError, InvalidRequestError, ResumeRefusedError
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from qworker.model.registry import model_config_from_hf
 
@@ -137,12 +138,18 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume: ResumeFrom | None = None,
     ) -> str:
         """Queue a request. Raises a typed InvalidRequestError subclass for bad input.
 
         With `params.n > 1` the request runs as n child requests sharing the prompt's KV blocks;
         its step outputs carry the parent id (text deltas of completion 0) and its final output
         holds the n completions.
+
+        With `resume`, the request continues from output tokens an earlier run generated
+        (engine/resume.py): they are prefilled with the prompt and count as output, only new
+        tokens are emitted, and the final output holds them all. ResumeRefusedError says the
+        request cannot continue from them (the caller may add it again without `resume`).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -157,6 +164,10 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt_token_ids(token_ids)
         params.check_model_limits(self.model_config.vocab_size)
+        if resume is not None and resume.token_ids:
+            self._check_resume(token_ids, params, resume)
+        else:
+            resume = None
         if params.n > 1 and any(child_id(request_id, i) in self.output_processor for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} clashes with a request in the engine")
         arrival_time = arrival_time or time.time()
@@ -168,8 +179,18 @@ class LLMEngine:
                 lambda: self._start(request_id, text, token_ids, params, priority, arrival_time),
             )
             return request_id
-        self._start(request_id, text, token_ids, params, priority, arrival_time)
+        self._start(request_id, text, token_ids, params, priority, arrival_time, resume)
         return request_id
+
+    def _check_resume(self, prompt_token_ids: list[int], params: SamplingParams, resume: ResumeFrom) -> None:
+        problem = resume_problem(resume, params, eos_token_ids=self.eos_token_ids)
+        if problem is None:
+            try:
+                self.validate_prompt_token_ids([*prompt_token_ids, *resume.token_ids])
+            except InvalidRequestError as exc:
+                problem = f"prompt + stored tokens: {exc}"
+        if problem is not None:
+            raise ResumeRefusedError(problem)
 
     def _start(
         self,
@@ -179,10 +200,12 @@ class LLMEngine:
         params: SamplingParams,
         priority: int,
         arrival_time: float,
+        resume: ResumeFrom | None = None,
     ) -> None:
         if params.n == 1:
-            self._enqueue(request_id, text, token_ids, params, priority, arrival_time)
+            self._enqueue(request_id, text, token_ids, params, priority, arrival_time, resume=resume)
             return
+        assert resume is None, "n > 1 requests do not resume (resume_problem)"
         parent = self._parallel.add(request_id, text, token_ids, params, priority, arrival_time)
         self._enqueue(
             parent.first_child_id, text, token_ids, child_params(params, 0), priority, parent.arrival_time
@@ -213,13 +236,19 @@ class LLMEngine:
         priority: int,
         arrival_time: float,
         arrival_index: int | None = None,
+        *,
+        resume: ResumeFrom | None = None,
     ) -> None:
-        request = Request(request_id, token_ids, params, priority=priority)
+        output_token_ids = list(resume.token_ids) if resume is not None else []
+        request = Request(request_id, token_ids, params, priority=priority, output_token_ids=output_token_ids)
         if params.structured_outputs is not None:
             request.grammar = self.structured.new_state(
                 StructuredOutputs.from_value(params.structured_outputs)
             )
-        self.output_processor.add_request(request, text, arrival_time)
+        # Raises ResumeRefusedError before the request is anywhere.
+        self.output_processor.add_request(
+            request, text, arrival_time, resume.text if resume is not None else None
+        )
         self.scheduler.add_request(request, arrival_index)
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -26,6 +26,7 @@ from qworker.engine.scheduler import Scheduler
 from qworker.engine.scheduler_output import RequestUpdate, SchedulerOutput
 from qworker.engine.structured.manager import MAX_FAST_FORWARD_TOKENS, StructuredOutputManager
 from qworker.engine.structured.state import GrammarState, forced_tokens
+from qworker.errors import ResumeRefusedError
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,13 @@ class OutputProcessor:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._states
 
-    def add_request(self, request: Request, prompt: str | None, arrival_time: float) -> None:
+    def add_request(
+        self, request: Request, prompt: str | None, arrival_time: float, resumed_text: str | None = None
+    ) -> None:
+        """Take a new request. A resumed one (output tokens given at creation) has them decoded
+        first, as its earlier run decoded them, so that its next delta continues the text that
+        run streamed (`resumed_text`, checked when given). Raises ResumeRefusedError when a stop
+        string lies among them or the text differs."""
         assert request.request_id not in self._states, f"request {request.request_id} is already here"
         detokenizer = None
         if self.tokenizer is not None:
@@ -69,6 +76,8 @@ class OutputProcessor:
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
             )
+            if request.num_resumed_tokens:
+                _replay(detokenizer, request, resumed_text)
         self._states[request.request_id] = RequestState(
             request, prompt, detokenizer, RequestMetrics(arrival_time)
         )
@@ -236,3 +245,19 @@ class OutputProcessor:
         ):
             result.setdefault(token_id, Logprob(logprob, rank, text))
         return result
+
+
+def _replay(detokenizer: IncrementalDetokenizer, request: Request, resumed_text: str | None) -> None:
+    """Decode a resumed request's earlier tokens, emitting their text as its earlier run did (the
+    held-back tail of a stop string's start or a partial character stays held back)."""
+    min_tokens = request.sampling_params.min_tokens
+    for i, token_id in enumerate(request.output_token_ids):
+        stop = detokenizer.update(token_id)
+        if stop is not None and i + 1 >= min_tokens:
+            raise ResumeRefusedError(f"stop string {stop!r} ends the stored tokens: the run ended there")
+    streamed = detokenizer.take_delta(False)
+    if resumed_text is not None and streamed != resumed_text:
+        raise ResumeRefusedError(
+            f"the stored text ({len(resumed_text)} characters) is not what its {request.num_resumed_tokens} "
+            f"stored tokens decode to ({len(streamed)} characters)"
+        )

@@ -16,8 +16,7 @@ from qworker.engine.cuda_graphs import DecodeCudaGraphs
 from qworker.engine.input_batch import CachedRequestState, InputBatch
 from qworker.engine.kv_cache_memory import kv_cache_budget_bytes
 from qworker.engine.runner_output import RunnerOutput
-from qworker.engine.sampler import Sampler, SamplingRow, TokenBitmask, compute_logprobs
-from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.sampler import Sampler, SamplingRow, TokenBitmask, compute_logprobs, skip_draws
 from qworker.engine.scheduler_output import GrammarRows, ScheduledRequest, SchedulerOutput
 from qworker.engine.step_inputs import StepInputs
 from qworker.errors import InvalidConfigError
@@ -376,7 +375,7 @@ class ModelRunner:
                     params=state.sampling_params,
                     # The chunk reaches the last token, so the request has num_tokens now.
                     num_output_tokens=item.num_tokens - state.num_prompt_tokens,
-                    generator=self._generator_for(item.request_id, state.sampling_params),
+                    generator=self._generator_for(item.request_id, state, logits.shape[-1]),
                 )
             )
         # Rows asking logprobs: their raw distribution, before the sampler masks logits in place.
@@ -409,7 +408,10 @@ class ModelRunner:
         )
         return TokenBitmask(torch.from_numpy(row_index[order]).to(self.device), bitmask)
 
-    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+    def _generator_for(
+        self, request_id: str, state: CachedRequestState, vocab_size: int
+    ) -> torch.Generator | None:
+        params = state.sampling_params
         seed = params.seed
         if seed is None or params.is_greedy:
             return None
@@ -420,5 +422,9 @@ class ModelRunner:
             # afterwards from overflowing the step (torch takes [-2**63, 2**64) and wraps
             # negatives the same way).
             generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            if state.num_resumed_tokens:
+                # A resumed request: its earlier run drew once per token (no resumed request has
+                # a grammar, whose forced tokens draw nothing), on a device of this kind.
+                skip_draws(generator, state.num_resumed_tokens, vocab_size, self.device)
             self._generators[request_id] = generator
         return generator

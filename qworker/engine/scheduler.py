@@ -243,6 +243,7 @@ class Scheduler:
                     token_ids=list(request.token_ids),
                     sampling_params=request.sampling_params,
                     num_scored_prompt_tokens=len(request.prompt_logprobs),
+                    num_resumed_tokens=request.num_resumed_tokens,
                 )
             )
             take(request, num_new_tokens, block_ids)

@@ -24,6 +24,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     # Prompt positions scored before a preemption (prompt_logprobs): not reported again.
     num_scored_prompt_tokens: int
+    # Output tokens an earlier run generated (a resumed request): its seeded generator skips
+    # the draws they took.
+    num_resumed_tokens: int = 0
 
 
 # Not frozen: one per scheduled request and step, and a frozen dataclass costs 5x to build
