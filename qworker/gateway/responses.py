@@ -13,7 +13,7 @@ from qworker.jobs.job import JobResult, JobStatus
 from qworker.openai.batches.pool import error_of_result, generation_from_result
 from qworker.openai.bodies import Generation
 from qworker.openai.bodies import response_body as row_response_body
-from qworker.openai.format import ChatCompletion, RowError, TextCompletion
+from qworker.openai.format import ChatCompletion, RowError, TextCompletion, Usage
 from qworker.openai.rows import Endpoint
 
 
@@ -59,7 +59,7 @@ def response_body(
     prepared: PreparedRequest, results: dict[str, JobResult], tokenizer: GatewayTokenizer | None
 ) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    usages: list[Usage] = []
     for index, job in enumerate(prepared.jobs):
         body, _ = job_body(prepared, index, results[job.id], tokenizer)
         for choice in body.choices:
@@ -69,8 +69,7 @@ def response_body(
             if echo_text is not None:
                 data["text"] = echo_text + data["text"]
             choices.append(data)
-        for key in usage:
-            usage[key] += getattr(body.usage, key)
+        usages.append(body.usage)
     choices.sort(key=lambda c: c["index"])
     is_chat = prepared.endpoint is Endpoint.CHAT
     return {
@@ -79,6 +78,6 @@ def response_body(
         "created": prepared.created,
         "model": prepared.rows[0].model,
         "choices": choices,
-        "usage": usage,
+        "usage": Usage.total(usages).model_dump(),
         "system_fingerprint": None,
     }

@@ -32,7 +32,7 @@ from qworker.gateway.mapping import PreparedRequest
 from qworker.gateway.pool import StreamEnd, StreamEvent, StreamFailed, StreamText
 from qworker.gateway.responses import job_body
 from qworker.gateway.tokenizer import GatewayTokenizer
-from qworker.openai.format import ChatChoice, TextChoice
+from qworker.openai.format import ChatChoice, TextChoice, Usage
 from qworker.openai.rows import Endpoint
 
 DONE = b"data: [DONE]\n\n"
@@ -50,7 +50,7 @@ class ChunkWriter:
         self.is_chat = prepared.endpoint is Endpoint.CHAT
         self.id = f"{'chatcmpl' if self.is_chat else 'cmpl'}-{prepared.request_id}"
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         data: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.is_chat else "text_completion",
@@ -102,7 +102,7 @@ async def stream_events(
     num_jobs = len(prepared.jobs)
     streamed = [""] * num_jobs
     ended: set[int] = set()
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    usages: list[Usage] = []
     is_live = [row.num_top_logprobs is None for row in prepared.rows]
     try:
         opening = []
@@ -177,12 +177,11 @@ async def stream_events(
                             )
                         ]
                     )
-                for key in usage:
-                    usage[key] += getattr(body.usage, key)
+                usages.append(body.usage)
                 ended.add(p)
             event = None
         if prepared.include_usage:
-            yield writer.chunk([], usage)
+            yield writer.chunk([], Usage.total(usages).model_dump())
         yield DONE
     finally:
         stop.set()

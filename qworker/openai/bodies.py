@@ -24,6 +24,7 @@ from qworker.openai.format import (
     ChatCompletion,
     ChatLogprobs,
     CompletionLogprobs,
+    PromptTokensDetails,
     RowError,
     TextChoice,
     TextCompletion,
@@ -74,6 +75,8 @@ class Generation:
     completions: Sequence[Any]
     prompt_token_ids: Sequence[int] | None = None
     prompt_logprobs: Sequence[PositionLogprobs | None] | None = None
+    # Prompt tokens whose KV came from a prefix cache (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_request_output(cls, output: Any, *, with_prompt_logprobs: bool = False) -> Generation:
@@ -84,6 +87,7 @@ class Generation:
             completions=sorted(output.outputs, key=lambda c: c.index),
             prompt_token_ids=list(output.prompt_token_ids),
             prompt_logprobs=output.prompt_logprobs if with_prompt_logprobs else None,
+            num_cached_tokens=getattr(output, "num_cached_tokens", 0),
         )
 
 
@@ -184,6 +188,7 @@ def _usage(generation: Generation) -> Usage:
         prompt_tokens=generation.num_prompt_tokens,
         completion_tokens=num_completion,
         total_tokens=generation.num_prompt_tokens + num_completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.num_cached_tokens),
     )
 
 

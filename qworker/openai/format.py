@@ -18,6 +18,7 @@ set to its code and message (vLLM's run-batch sets `error`, OpenAI's API the bod
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
@@ -52,10 +53,33 @@ class BatchInputLine(BaseModel):
 # -- bodies ----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(_Strict):
+    """OpenAI's `usage.prompt_tokens_details` (the SDK's `PromptTokensDetails`)."""
+
+    # Prompt tokens whose KV came from a prefix cache when the request was first scheduled
+    # (vLLM's num_cached_tokens): always written, 0 when nothing hit.
+    cached_tokens: int = 0
+
+
 class Usage(_Strict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # A default, so that output lines written before the field read back.
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def total(cls, usages: Iterable[Usage]) -> Usage:
+        """The sum of several (a completions body with several prompts: one job each)."""
+        usages = list(usages)
+        return cls(
+            prompt_tokens=sum(u.prompt_tokens for u in usages),
+            completion_tokens=sum(u.completion_tokens for u in usages),
+            total_tokens=sum(u.total_tokens for u in usages),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in usages)
+            ),
+        )
 
 
 class TopLogprob(_Strict):

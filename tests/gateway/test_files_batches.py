@@ -279,11 +279,13 @@ def entries_added(url: str) -> int:
 
 
 def comparable(line: BatchOutputLine) -> dict[str, Any]:
-    """The line's response body without what names the run (ids, creation time)."""
+    """The line's response body without what names the run (ids, creation time, and the cached
+    tokens, which count what that engine's prefix cache held)."""
     assert line.response is not None, line
     body = line.response.model_dump(mode="json")["body"]
     for name in ("id", "created"):
         body.pop(name, None)
+    body.get("usage", {}).pop("prompt_tokens_details", None)
     return {"status_code": line.response.status_code, "body": body}
 
 
@@ -330,6 +332,9 @@ def test_openai_client_batches_equal_local_qworker_batch_row_by_row(gateway, wor
         assert done.usage.input_tokens == sum(u.prompt_tokens for u in usages) > 0
         assert done.usage.output_tokens == sum(u.completion_tokens for u in usages) > 0
         assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+        assert done.usage.input_tokens_details.cached_tokens == sum(
+            u.prompt_tokens_details.cached_tokens for u in usages
+        )
         # The worker runs --batch-invariant: no warning that rows may differ from a local run.
         assert not (done.metadata or {}).get("qworker_warning")
         lines += batch_lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -122,6 +123,46 @@ def test_chat_streaming_equals_the_stored_result(sdk, store):
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 2, "streamed in pieces"
     stored = store.result(job_id_of(chunks[0].id), timeout=5)
     assert text == stored.text and text
+
+
+@pytest.mark.timeout(120)
+def test_usage_counts_the_prompt_tokens_the_worker_found_in_its_prefix_cache(sdk, store, worker):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: the whole KV blocks (16
+    tokens each on the worker) of the prompt that the worker's prefix cache held."""
+    # A prompt no earlier request began with, of several blocks.
+    text = f"Note {uuid.uuid4().hex}: " + "the quick brown fox jumps over the lazy dog, " * 5
+
+    def full_blocks(num_tokens: int) -> int:  # below the last token, which is always computed
+        return (num_tokens - 1) // 16 * 16
+
+    # Two copies in one completions body, one job each: one computes the prompt, the other takes
+    # its blocks; the usage is summed over the prompts.
+    both = sdk.completions.create(model="smollm2", prompt=[text, text], max_tokens=1, temperature=0)
+    num_prompt = both.usage.prompt_tokens // 2
+    assert full_blocks(num_prompt) >= 48
+    assert both.usage.prompt_tokens_details.cached_tokens == full_blocks(num_prompt)
+    # Chat: the first request finds at most the chat template's opening (every chat begins
+    # with it), not its own message; the same one streamed finds all its whole blocks, in the
+    # include_usage chunk.
+    messages = [{"role": "user", "content": text}]
+    first = sdk.chat.completions.create(model="smollm2", messages=messages, max_tokens=1, temperature=0)
+    chunks = list(
+        sdk.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=1,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == first.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == full_blocks(usage.prompt_tokens)
+    assert first.usage.prompt_tokens_details.cached_tokens < full_blocks(usage.prompt_tokens)
+    # The stored job results carry it too.
+    stored = store.result(job_id_of(first.id), timeout=5)
+    assert stored.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens_details.cached_tokens
 
 
 @pytest.mark.timeout(120)

@@ -33,13 +33,15 @@ def url():
 
 
 def bodies(path: Path) -> dict[str, Any]:
-    """custom_id -> the response body without its id and creation time."""
+    """custom_id -> the response body without its id, creation time and cached tokens (what that
+    engine's prefix cache held)."""
     out = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
         body = row["response"]["body"]
         for key in ("id", "created"):
             body.pop(key, None)
+        body.get("usage", {}).pop("prompt_tokens_details", None)
         out[row["custom_id"]] = body
     return out
 

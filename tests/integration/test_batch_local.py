@@ -68,6 +68,12 @@ def test_200_mixed_rows_give_llm_generate_texts_and_a_rerun_runs_nothing(model_d
     lines = read_output(out)
     assert len(lines) == 200
     assert_matches_reference(lines, ROWS, reference)
+    # Each line's usage says what its prompt found in the prefix cache: whole 16-token blocks of
+    # its prompt; the chat rows share their template's opening, so some find it.
+    usages = [line.response.body.usage for line in lines]  # type: ignore[union-attr]
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert all(0 <= c < u.prompt_tokens and c % 16 == 0 for c, u in zip(cached, usages, strict=True))
+    assert sum(1 for c in cached if c > 0) > 10, cached
     first = out.read_bytes()
     again = invoke(model_dir, tmp_path, "-i", str(source), "-o", str(out))
     assert again.exit_code == 0, again.output

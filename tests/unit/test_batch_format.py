@@ -17,7 +17,7 @@ from qworker.jobs.job import JobError, JobResult, JobStatus
 from qworker.openai import rows as rows_module
 from qworker.openai.batches.files import Location, split_lines
 from qworker.openai.batches.output import OutputFileError, done_custom_ids
-from qworker.openai.batches.pool import SubmittedJournal, error_of_result, job_for
+from qworker.openai.batches.pool import SubmittedJournal, error_of_result, job_for, line_of_result
 from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
 from qworker.openai.batches.validate import BatchFileError, check_input
 from qworker.openai.bodies import (
@@ -27,7 +27,7 @@ from qworker.openai.bodies import (
     response_body,
     top_entries,
 )
-from qworker.openai.format import MIN_LOGPROB, BatchOutputLine, RowError, error_line, success_line
+from qworker.openai.format import MIN_LOGPROB, BatchOutputLine, RowError, Usage, error_line, success_line
 from qworker.openai.rows import Endpoint, parse_row, request_id_for, sampling_kwargs
 
 CHAT = "/v1/chat/completions"
@@ -239,6 +239,13 @@ class Output:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class CachedOutput(Output):
+    """With vLLM's num_cached_tokens (an Output without it is an engine that has none: 0)."""
+
+    num_cached_tokens: int = 0
+
+
 def round_trip(line: BatchOutputLine) -> BatchOutputLine:
     return BatchOutputLine.model_validate_json(line.model_dump_json())
 
@@ -263,7 +270,13 @@ def test_chat_and_text_bodies_from_an_engine_output():
             "finish_reason": "stop",
         }
     ]
-    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    # OpenAI's shape: prompt_tokens_details.cached_tokens is always there, 0 when nothing hit.
+    assert data["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     echo = parse({"prompt": "The capital is", "echo": True}, COMPLETIONS)
     text = response_body(echo, Generation.from_request_output(output), created=1)
     assert text.object == "text_completion" and text.choices[0].text == "The capital is Paris"
@@ -400,6 +413,51 @@ def test_rows_become_jobs_and_results_become_lines():
     for result, status in cases:
         assert error_of_result(result).status_code == status, result
     assert error_of_result(cases[0][0]).code == "context_length_exceeded"
+
+
+@pytest.mark.timeout(10)
+def test_cached_tokens_reach_the_output_line_from_an_engine_output_and_from_a_job_result():
+    chat = parse(chat_body(max_tokens=4))
+    completion = CompletionOutput(index=0, text=" Paris", token_ids=[9, 10], finish_reason="stop")
+    # Local mode (`qworker batch`): the engine's RequestOutput.num_cached_tokens.
+    local = CachedOutput([1] * 20, [completion], num_cached_tokens=16)
+    body = response_body(chat, Generation.from_request_output(local), created=1)
+    line = json.loads(success_line(chat.custom_id, chat.request_id, body).model_dump_json())
+    assert line["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    # Pool mode (`qworker batch --queue`, the Batch API): the stored result's usage, read back.
+    stored = JobResult.model_validate_json(
+        json.dumps(
+            {
+                "id": chat.request_id,
+                "status": "completed",
+                "text": " Paris",
+                "token_ids": [9, 10],
+                "finish_reason": "stop",
+                "usage": {
+                    "prompt_tokens": 20,
+                    "completion_tokens": 2,
+                    "prompt_tokens_details": {"cached_tokens": 16},
+                },
+            }
+        )
+    )
+    line_model, num_prompt, num_completion = line_of_result(chat, stored)
+    usage = json.loads(line_model.model_dump_json())["response"]["body"]["usage"]
+    assert (num_prompt, num_completion) == (20, 2)
+    assert usage == {
+        "prompt_tokens": 20,
+        "completion_tokens": 2,
+        "total_tokens": 22,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    # A result or an output line written before the field reads back with 0.
+    old = JobResult.model_validate({"id": "a", "status": "completed", "usage": {"prompt_tokens": 3}})
+    assert old.usage.prompt_tokens_details.cached_tokens == 0
+    del usage["prompt_tokens_details"]
+    assert Usage.model_validate(usage).prompt_tokens_details.cached_tokens == 0
+    # Several prompts in one body (the gateway): summed, as prompt_tokens are.
+    total = Usage.total([Usage.model_validate(line["response"]["body"]["usage"]), body.usage])
+    assert (total.prompt_tokens, total.prompt_tokens_details.cached_tokens) == (40, 32)
 
 
 # -- the whole-file check ------------------------------------------------------------------------

@@ -118,6 +118,7 @@ def generation_from_result(result: JobResult) -> Generation:
         completions=sorted(completions, key=lambda c: c.index),
         prompt_token_ids=result.prompt_token_ids,
         prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=result.usage.prompt_tokens_details.cached_tokens,
     )
 
 
