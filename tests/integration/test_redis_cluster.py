@@ -310,3 +310,49 @@ def test_the_pool_demand_exporter_reads_a_queue_and_the_worker_reports_on_the_cl
     finally:
         reader.close()
         client.close()
+
+
+def test_affinity_lanes_spread_over_the_nodes_and_are_read_with_pipelines(cluster):
+    """Lanes on a cluster: each its own hash tag (slots on several nodes), read without a script
+    spanning slots: own lanes and the stream, stealing what waited, reclaim, dead letters."""
+    from qworker.backends.redis.backlog import open_backlog
+    from qworker.backends.redis.dead_letters import open_dead_letters
+    from qworker.backends.redis.lanes import lane_index, owned_lanes
+    from qworker.pool.demand import PoolSizing
+
+    name = f"qwc:lanes:{uuid.uuid4().hex[:6]}"
+    lane_url = (
+        f"{cluster.url}?stream={name}&group=g&prefix=qwc&affinity_lanes=4&steal_after_s=0.3&lease_timeout_s=1"
+    )
+    producer = open_producer(lane_url)
+    lanes = producer.streams.lanes
+    assert len({key_slot(lane.encode()) for lane in lanes}) == 4
+    a, b = open_source(lane_url, consumer="a"), open_source(lane_url, consumer="b")
+    for source in (a, b, a):
+        source._last_heartbeat = float("-inf")
+        source.lease(0, 0.0)
+    assert a.live_workers() == {"a", "b"}
+    mine = set(owned_lanes("a", ["a", "b"], 4))
+    key_a = next(k for i in range(1000) if lane_index(k := f"k{i}", 4) in mine)
+    body = json.dumps({"prompt": "hi"}).encode()
+    producer.send([OutgoingJob(f"j{i}", body, affinity=key_a) for i in range(3)])
+    assert b.lease(10, 0.0) == []  # young entries of a's lane
+    got = {le.job_id: le for le in a.lease(10, 0.0)}
+    assert set(got) == {"j0", "j1", "j2"}
+    backlog = open_backlog(lane_url, PoolSizing(), None)
+    assert backlog.read({"a", "b"}).in_flight.num_jobs == 3
+    a.dead_letter(got["j0"], "on purpose")
+    for job_id in ("j1", "j2"):
+        a.ack(got[job_id])
+    letters = open_dead_letters(lane_url)
+    (letter,) = [d for d in letters.read() if d.job_id == "j0"]
+    letters.replay([letter.id], None)
+    time.sleep(0.35)
+    (stolen,) = b.lease(5, 0.0)  # j0 is back on a's lane and has waited: b steals it
+    assert stolen.job_id == "j0"
+    time.sleep(1.1)  # b "dies" holding it; a reclaims it across the lanes' slots
+    a._last_reclaim = 0.0
+    reclaimed = a.lease(5, 0.0)
+    assert [(le.job_id, le.delivery_count) for le in reclaimed] == [("j0", 2)]
+    a.ack(reclaimed[0])
+    assert backlog.read({"a", "b"}).in_flight.num_jobs == 0
