@@ -25,14 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING
 
-from qworker.utils import is_utf8_text
+from qworker.jobs.job import Job
 
-if TYPE_CHECKING:
-    from qworker.jobs.job import Job
-
-MAX_AFFINITY_BYTES = 256
 AFFINITY_PREFIX_CHARS = 2048
 AFFINITY_PREFIX_TOKENS = 512
 # One KV block (16 tokens) at about 4 characters a token.
@@ -41,18 +36,6 @@ MIN_PREFIX_TOKENS = 16
 # A derived key says what it came from, so that it never equals a key a producer chose.
 _DERIVED_TEXT = "prefix:"
 _DERIVED_TOKENS = "prefix-ids:"
-
-
-def affinity_problem(value: str) -> str | None:
-    """Why `value` cannot be an affinity key (too long, not valid Unicode), or None."""
-    if not is_utf8_text(value):
-        return "affinity is not valid Unicode (a lone surrogate)"
-    size = len(value.encode())
-    if size > MAX_AFFINITY_BYTES:
-        return f"affinity is {size} bytes of UTF-8; the limit is {MAX_AFFINITY_BYTES}"
-    if not value:
-        return "affinity is empty: give a key, or leave it out to have one derived from the prompt"
-    return None
 
 
 def prompt_start(job: Job) -> str | list[int]:

@@ -26,7 +26,6 @@ from pydantic import (
 )
 
 from qworker.engine.sampling_params import SamplingParams
-from qworker.jobs.affinity import affinity_problem
 from qworker.jobs.result import (
     CompletionResult,
     JobError,
@@ -44,6 +43,7 @@ from qworker.utils import is_utf8_text
 
 # The result side is defined in job_results.py and importable from here too.
 __all__ = [
+    "MAX_AFFINITY_BYTES",
     "MAX_JOB_BYTES",
     "MAX_JOB_ID_CHARS",
     "MAX_METADATA_DEPTH",
@@ -64,6 +64,7 @@ __all__ = [
     "ToolCallFunction",
     "TopLogprob",
     "Usage",
+    "affinity_problem",
     "completion_result",
     "decode_job",
     "derived_job_id",
@@ -82,6 +83,8 @@ MAX_JOB_BYTES = 2 * 2**20
 # ~4 characters per token: far past the longest context we serve, still cheap to reject.
 MAX_PROMPT_CHARS = 1_000_000
 MAX_JOB_ID_CHARS = 256
+# An affinity key names a lane's worth of jobs (qworker/jobs/affinity.py): a tenant, a task id.
+MAX_AFFINITY_BYTES = 256
 # Metadata comes back in the result as JSON: deeper nesting than this is refused at intake, because
 # the result could not be written or read back (pydantic's JSON stops at a depth of about 200).
 MAX_METADATA_DEPTH = 32
@@ -277,6 +280,18 @@ def _json_text_problem(value: Any, max_depth: int) -> str | None:
                 return f"is nested more than {max_depth} levels deep"
             children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def affinity_problem(value: str) -> str | None:
+    """Why `value` cannot be an affinity key (empty, too long, not valid Unicode), or None."""
+    if not is_utf8_text(value):
+        return "affinity is not valid Unicode (a lone surrogate)"
+    size = len(value.encode())
+    if size > MAX_AFFINITY_BYTES:
+        return f"affinity is {size} bytes of UTF-8; the limit is {MAX_AFFINITY_BYTES}"
+    if not value:
+        return "affinity is empty: give a key, or leave it out to have one derived from the prompt"
     return None
 
 
