@@ -30,15 +30,85 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     # Set on the marker a worker writes before a job's second or later attempt streams (the
     # attempt number: the message's delivery count). A marker has no text and no tokens; a
-    # reader drops what earlier attempts streamed, because the new attempt streams from the start.
+    # reader drops what earlier attempts streamed, because the new attempt streams from the start
+    # (or, with `resume`, keeps its first characters: the new attempt continues them).
     attempt: int | None = None
+    # The position of this delta's first token in the job's output (0 for the first token), so
+    # that a resuming worker never stitches tokens across a gap (deltas the outbox dropped, a
+    # trimmed stream). None from writers that do not say.
+    pos: int | None = None
+    # On an attempt marker: the new attempt continues from the earlier attempts' first
+    # `resume.num_tokens` tokens and `resume.num_chars` characters of text; None: from zero.
+    resume: ResumePoint | None = None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed attempt continues: after this many output tokens, whose streamed text is
+    this many characters (Unicode code points) long."""
+
+    num_tokens: int
+    num_chars: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a job's earlier attempts generated, as its delta stream holds it: its first output
+    tokens, contiguous from the first, and the text streamed for them (`progress_of`). With a
+    `problem`, the stream cannot be trusted and the job starts from zero."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    problem: str | None = None
+
+
+def progress_of(deltas: list[Delta]) -> Progress:
+    """The tokens and text a job's deltas hold, attempt by attempt: a plain marker starts from
+    zero, a resume marker keeps its first tokens and characters, and each delta extends them
+    when it starts at their end (`pos`). A delta that starts before it (a stale writer's) is
+    skipped; one after it (a gap), or one with text and no tokens (an attempt's last flush), ends
+    what the attempt can add. Entries that are not what a worker writes make a `problem`."""
+    token_ids: list[int] = []
+    text = ""
+    is_open = True  # whether this attempt's deltas may still extend the tokens
+    for delta in deltas:
+        if delta.attempt is not None:
+            if delta.resume is None:
+                token_ids, text = [], ""
+            else:
+                point = delta.resume
+                if point.num_tokens > len(token_ids) or point.num_chars > len(text):
+                    return Progress(problem=f"attempt {delta.attempt} resumes past what the stream holds")
+                token_ids, text = token_ids[: point.num_tokens], text[: point.num_chars]
+            is_open = True
+            continue
+        ids = delta.token_ids
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            return Progress(problem=f"a delta's token ids are not a list of ints: {str(ids)[:80]}")
+        if not isinstance(delta.text, str):
+            return Progress(problem="a delta's text is not text")
+        if not is_open or delta.pos is None:
+            is_open = False
+            continue
+        if not ids:
+            is_open = is_open and not delta.text
+            continue
+        if delta.pos < len(token_ids):
+            continue
+        if delta.pos > len(token_ids):
+            is_open = False
+            continue
+        token_ids.extend(ids)
+        text += delta.text
+    return Progress(token_ids, text)
 
 
 def latest_attempt(deltas: list[Delta]) -> list[Delta]:
-    """`deltas` from their last attempt marker on (all of them when there is none): what a
-    reader that has not yet yielded any of them should see."""
+    """`deltas` from their last marker of an attempt that streams from the start on (all of them
+    when there is none): what a reader that has not yet yielded any of them should see. Resume
+    markers stay in the list; a reader applies them as they come (Client.stream)."""
     for i in range(len(deltas) - 1, -1, -1):
-        if deltas[i].attempt is not None:
+        if deltas[i].attempt is not None and deltas[i].resume is None:
             return deltas[i:]
     return deltas
 
@@ -109,6 +179,12 @@ class ResultSink(JobNotes):
     def end_deltas(self, job_id: str, status: str) -> None:
         """End the job's live stream (its result is stored, here or in another store): a reader
         of `read_deltas` stops. A store that streams deltas must implement it."""
+
+    def read_progress(self, job_id: str) -> Progress | None:
+        """What the job's earlier attempts generated (progress_of over its deltas), for a new
+        attempt to continue from; None from a store that keeps no deltas (its jobs start from
+        zero)."""
+        return None
 
     @abc.abstractmethod
     def delete_result(self, job_id: str) -> None:

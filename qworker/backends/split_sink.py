@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from qworker.backends.sink import Delta, ResultSink
+from qworker.backends.sink import Delta, Progress, ResultSink
 from qworker.jobs.job import JobResult
 
 
@@ -44,6 +44,9 @@ class SplitSink(ResultSink):
 
     def read_deltas(self, job_id: str, timeout_s: float | None) -> Iterator[Delta]:
         return self.stream.read_deltas(job_id, timeout_s)
+
+    def read_progress(self, job_id: str) -> Progress | None:
+        return self.stream.read_progress(job_id)
 
     def delete_result(self, job_id: str) -> None:
         self.final.delete_result(job_id)

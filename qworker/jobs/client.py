@@ -89,11 +89,12 @@ class Client:
         The text yielded, joined, is the stored result's text.
 
         A job runs again when its worker died or released it: the new attempt streams from the
-        start, after an attempt marker. Text yielded before the marker is not repeated: the new
-        attempt's text is followed silently until it passes what was yielded, and only the rest
-        is yielded (a rerun draws the same tokens: the same seed, or greedy). Should the new text
-        differ from what was yielded, this raises StreamRestartedError; stream again to read the
-        latest attempt from its start.
+        start, after an attempt marker, or resumes after what the earlier ones streamed (a resume
+        marker says how many characters it keeps; docs/queues.md "Resume from tokens"). Text
+        yielded before the marker is not repeated: the new attempt's text is followed silently
+        until it passes what was yielded, and only the rest is yielded (a rerun draws the same
+        tokens: the same seed, or greedy). Should the new text differ from what was yielded,
+        this raises StreamRestartedError; stream again to read the latest attempt from its start.
 
         Raises TimeoutError when no output arrives for `timeout` seconds.
         """
@@ -103,7 +104,13 @@ class Client:
         attempt_text = ""
         for delta in self.sink.read_deltas(job_id, timeout):
             if delta.attempt is not None:
-                attempt, attempt_text = delta.attempt, ""
+                # A resumed attempt continues the text so far (this reader's copy of it: what it
+                # yielded, or what it follows of an attempt catching up); a plain one restarts.
+                so_far = attempt_text if attempt is not None else yielded
+                num_kept = delta.resume.num_chars if delta.resume is not None else 0
+                if num_kept > len(so_far):
+                    raise StreamRestartedError(job_id, delta.attempt)  # it missed text it cannot see now
+                attempt, attempt_text = delta.attempt, so_far[:num_kept]
                 continue
             if attempt is None:
                 if delta.text:

@@ -20,8 +20,9 @@ from typing import Any
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from qworker.engine.resume import ResumeFrom
 from qworker.engine.sampling_params import SamplingParams
-from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError
+from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError, ResumeRefusedError
 from qworker.utils import cdiv
 
 VOCAB_SIZE = 256
@@ -119,7 +120,11 @@ class FakeEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume: ResumeFrom | None = None,
     ) -> str:
+        """As LLMEngine.add_request. With `resume`, the request continues its script after the
+        given tokens, which must be the script's first ones (else ResumeRefusedError), and fewer
+        than max_tokens."""
         if any(r.request_id == request_id for r in (*self._waiting, *self._running)):
             raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
         token_ids = list(prompt["prompt_token_ids"])
@@ -137,6 +142,11 @@ class FakeEngine:
         params.check_model_limits(VOCAB_SIZE)
         script = list(self.script(request_id, token_ids))
         assert script, f"the script gave request {request_id} no tokens"
+        resumed = list(resume.token_ids) if resume is not None else []
+        if resumed and (
+            resumed != script[: len(resumed)] or len(resumed) >= min(params.max_tokens, len(script))
+        ):
+            raise ResumeRefusedError(f"{len(resumed)} stored tokens are not a start of the script's")
         self._waiting.append(
             _FakeRequest(
                 request_id,
@@ -145,6 +155,7 @@ class FakeEngine:
                 params,
                 script,
                 RequestMetrics(arrival_time=arrival_time or time.time()),
+                output_token_ids=resumed,
             )
         )
         self.added.append(request_id)

@@ -38,5 +38,5 @@ class Drain:
 def can_finish(held: HeldJob, time_left: float, step_seconds: float) -> bool:
     if held.num_output_tokens == 0:
         return False  # not started: a peer can start it as soon as we could
-    steps_left = held.job.params.max_tokens - held.num_output_tokens
+    steps_left = held.job.params.max_tokens - held.num_resumed_tokens - held.num_output_tokens
     return steps_left * step_seconds <= time_left

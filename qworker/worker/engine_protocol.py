@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
 from qworker.engine.outputs import RequestOutput, StepOutput
+from qworker.engine.resume import ResumeFrom
 from qworker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,11 +57,13 @@ class EngineProtocol(Protocol):
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume: ResumeFrom | None = None,
     ) -> str:
         """Queue a request; `prompt` is {"prompt_token_ids": [...], "prompt"?: text}.
 
         Raises an InvalidRequestError subclass for input that can never run (too long, ids
-        outside the vocabulary)."""
+        outside the vocabulary). With `resume`, the request continues from output tokens an
+        earlier attempt generated; ResumeRefusedError says it cannot (then add it without)."""
         ...
 
     def abort(self, request_id: str) -> RequestOutput | None:

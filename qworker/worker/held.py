@@ -30,7 +30,10 @@ class HeldJob:
     lease: Lease
     num_prompt_tokens: int
     deadline: float | None
+    # Tokens this attempt generated (its step outputs'), after the earlier attempts' it resumed
+    # from (their output tokens, prefilled with the prompt: docs/queues.md "Resume from tokens").
     num_output_tokens: int = 0
+    num_resumed_tokens: int = 0
     # time.monotonic() of its latest token: the start of the next inter-token gap.
     last_token_at: float | None = None
     # The same job id delivered again while it runs (a producer's duplicate): acked with it.
@@ -117,10 +120,11 @@ class HeldJobs:
         """What admission needs to know of each held job."""
         return [
             HeldJobSize(
-                h.num_prompt_tokens,
+                # A resumed job prefills its resumed tokens with the prompt, and grows by the rest.
+                h.num_prompt_tokens + h.num_resumed_tokens,
                 # n completions each grow to max_tokens (only completion 0's tokens are streamed
                 # and counted, so this errs on the side of more blocks).
-                h.job.params.max_tokens * h.job.params.n,
+                h.job.params.max_tokens * h.job.params.n - h.num_resumed_tokens,
                 h.num_output_tokens,
                 h.num_output_tokens > 0,
                 0 if h.num_output_tokens else self._engine.num_cached_prefix_tokens(h.job.id),

@@ -264,10 +264,12 @@ class Worker:
                 if held.last_token_at is not None:
                     self.metrics.observe_itl(now - held.last_token_at)
                 held.last_token_at = now
+            # The delta's first token's place in the output: the stream is the job's checkpoint.
+            pos = held.num_resumed_tokens + held.num_output_tokens
             held.num_output_tokens += len(out.new_token_ids)
             num_generated += len(out.new_token_ids)
             if out.text_delta or out.new_token_ids:
-                deltas.append(Delta(out.request_id, out.text_delta, list(out.new_token_ids)))
+                deltas.append(Delta(out.request_id, out.text_delta, list(out.new_token_ids), pos=pos))
             if out.finished:
                 finished.append((held, out.output))
         # Counted as generated, not when a job ends: tokens of jobs that are killed, released or

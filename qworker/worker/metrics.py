@@ -148,6 +148,22 @@ class WorkerMetrics:
             "qworker_preemptions", "Requests preempted (blocks freed, recomputed later)", registry=r
         )
         self.engine_steps = Counter("qworker_engine_steps", "Engine steps run", registry=r)
+        # Resume from tokens (docs/queues.md): redelivered jobs by what their checkpoint allowed,
+        # and the tokens they resumed from, prefilled again here rather than generated (counted
+        # apart from qworker_generation_tokens, which counts each token once, where generated).
+        self.resumes = Counter(
+            "qworker_resumes",
+            "Redelivered jobs by outcome: resumed from their stored tokens, or restarted from zero "
+            "because the tokens did not fit (another model, max_model_len, corrupt)",
+            ["outcome"],
+            registry=r,
+        )
+        self.resumed_tokens = Counter(
+            "qworker_resumed_tokens",
+            "Output tokens of earlier attempts that resumed jobs continued from (prefilled again, "
+            "not generated)",
+            registry=r,
+        )
 
         # Latency histograms, in seconds.
         self.queue_wait = Histogram(
@@ -272,6 +288,15 @@ class WorkerMetrics:
     def observe_preemptions(self, num_preemptions: int) -> None:
         if num_preemptions:
             self.preemptions.inc(num_preemptions)
+
+    def observe_resume(self, num_tokens: int | None) -> None:
+        """A redelivered job with stored tokens: resumed from `num_tokens` of them, or (None)
+        restarted from zero."""
+        if num_tokens is None:
+            self.resumes.labels(outcome="restarted").inc()
+            return
+        self.resumes.labels(outcome="resumed").inc()
+        self.resumed_tokens.inc(num_tokens)
 
     def observe_step(self) -> None:
         self.engine_steps.inc()

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from qworker.backends.sink import Delta, ResultSink
+from qworker.backends.sink import Delta, Progress, ResultSink, ResumePoint
 from qworker.backends.source import JobSource, Lease
-from qworker.errors import InvalidRequestError
-from qworker.jobs.job import JobStatus, resolve_job_id
+from qworker.engine.resume import ResumeFrom
+from qworker.errors import InvalidRequestError, ResumeRefusedError
+from qworker.jobs.job import Job, JobStatus, resolve_job_id
 from qworker.worker import intake
 from qworker.worker.admission import AdmissionPolicy
 from qworker.worker.engine_protocol import EngineProtocol
@@ -112,11 +114,12 @@ class Taker:
         """Hand the job to the engine and hold it."""
         lease, job_id, job = run.lease, run.job_id, run.job
         now = time.time()
+        # Earlier attempts' tokens (a released or killed worker's): a read, before the engine.
+        progress = self.sink.read_progress(job_id) if lease.delivery_count > 1 else None
+        resume_point: ResumePoint | None = None
         try:
             prompt = intake.prepare_prompt(self.engine, job)
-            self.engine.add_request(
-                job_id, prompt, job.params, priority=job.priority, arrival_time=lease.enqueued_at or now
-            )
+            resume_point = self._add_request(job_id, job, prompt, lease.enqueued_at or now, progress)
         except Exception as exc:
             if not isinstance(exc, InvalidRequestError):  # PromptTooLongError included
                 # The traceback may quote the input: only with payload logging on.
@@ -126,14 +129,49 @@ class Taker:
         num_prompt_tokens = len(prompt["prompt_token_ids"])
         limits = [t for t in (job.timeout_s, lease.time_limit_s) if t is not None]
         deadline = now + min(limits) if limits else None
-        self.held.add(HeldJob(job, lease, num_prompt_tokens, deadline))
+        num_resumed = resume_point.num_tokens if resume_point is not None else 0
+        self.held.add(HeldJob(job, lease, num_prompt_tokens, deadline, num_resumed_tokens=num_resumed))
         self.metrics.observe_prompt_tokens(num_prompt_tokens)
         if lease.delivery_count > 1:
-            # This attempt streams from the start: live readers drop what earlier ones streamed.
-            self.outbox.add_deltas([Delta(job_id, "", attempt=lease.delivery_count)])
+            # This attempt streams from the start, or from where it resumed: live readers drop
+            # what earlier ones streamed, or keep that much of it.
+            self.outbox.add_deltas([Delta(job_id, "", attempt=lease.delivery_count, resume=resume_point)])
         self._attempt_notes[job_id] = (
             f"attempt {lease.delivery_count} (worker {self.worker_name}, begun "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}) ended without a result: "
             "its worker was killed or crashed, or lost the job's lease"
         )
         self.admission.observe_prompt(num_prompt_tokens, self.engine.num_cached_prefix_tokens(job_id))
+
+    def _add_request(
+        self, job_id: str, job: Job, prompt: dict[str, Any], arrival_time: float, progress: Progress | None
+    ) -> ResumePoint | None:
+        """Hand the job to the engine, resuming from `progress` when there is some and the engine
+        can continue from it; else from zero, with a warning when stored tokens were refused.
+        Where it resumed, or None."""
+        if progress is not None and (progress.token_ids or progress.problem):
+            problem = progress.problem
+            if problem is None:
+                resume = ResumeFrom(progress.token_ids, progress.text)
+                try:
+                    self.engine.add_request(
+                        job_id,
+                        prompt,
+                        job.params,
+                        priority=job.priority,
+                        arrival_time=arrival_time,
+                        resume=resume,
+                    )
+                except ResumeRefusedError as exc:
+                    problem = str(exc)
+                else:
+                    num_tokens = len(progress.token_ids)
+                    logger.info("job %s resumes from %d stored tokens", job_id, num_tokens)
+                    self.metrics.observe_resume(num_tokens)
+                    return ResumePoint(num_tokens, len(progress.text))
+            logger.warning(
+                "job %s restarts from zero: its stored tokens cannot be resumed: %s", job_id, problem
+            )
+            self.metrics.observe_resume(None)
+        self.engine.add_request(job_id, prompt, job.params, priority=job.priority, arrival_time=arrival_time)
+        return None

@@ -1,6 +1,7 @@
 """Stream readers see attempts: when a job's worker is killed (SIGKILL) or releases it (SIGTERM)
-mid-generation, a peer runs it again from the start, and the text a `Client.stream` reader
-assembles, live across the restart, equals the stored result's text. Real worker processes on a
+mid-generation, a peer resumes it from the tokens its delta stream holds (docs/queues.md "Resume
+from tokens"), and the text a `Client.stream` reader assembles, live across the resume, equals the
+stored result's text. Real worker processes on a
 tiny random Llama with the SmolLM2 tokenizer, on the real Redis.
 """
 
@@ -35,7 +36,7 @@ def test_text_streamed_across_a_rerun_equals_the_result(url, tiny_model_dir, tmp
         other = client.submit({"prompt_token_ids": [5, 6], "params": {"max_tokens": 5, "ignore_eos": True}})
         assert client.result(other, timeout=60).status is JobStatus.COMPLETED
         # Sampled (temperature 1) without a seed, and long enough to be stopped mid-generation:
-        # it is stopped once 30 deltas are streamed, and the peer reruns all 400 tokens.
+        # it is stopped once 30 deltas are streamed, and the peer generates the rest of 400.
         job_id = client.submit(
             {"prompt_token_ids": [1, 520, 3000, 17], "params": {"max_tokens": 400, "ignore_eos": True}}
         )
@@ -68,14 +69,17 @@ def test_text_streamed_across_a_rerun_equals_the_result(url, tiny_model_dir, tmp
     assert reader.error is None, repr(reader.error)
     assert reader.text == result.text
     assert reader.text.startswith(seen_before_rerun) and len(seen_before_rerun) < len(result.text)
-    # On the wire: the first attempt's deltas, the peer's attempt marker, the whole rerun, done.
+    # On the wire: the first attempt's deltas, the peer's resume marker (the tokens and text it
+    # keeps of them), the rest of the text, done.
     entries = [fields for _, fields in r.xrange(deltas_key)]
     markers = [i for i, fields in enumerate(entries) if b"attempt" in fields]
     assert [entries[i][b"attempt"] for i in markers] == [b"2"]
+    num_tokens, num_chars = (int(entries[markers[0]][k]) for k in (b"resume_tokens", b"resume_chars"))
+    first = b"".join(fields.get(b"text", b"") for fields in entries[: markers[0]]).decode()
+    assert num_tokens >= 29 and first[:num_chars] == result.text[:num_chars]
     rerun = entries[markers[0] + 1 :]
-    assert b"".join(fields.get(b"text", b"") for fields in rerun).decode() == result.text
+    assert b"".join(fields.get(b"text", b"") for fields in rerun).decode() == result.text[num_chars:]
+    assert [int(fields[b"pos"]) for fields in rerun[:3]] == [num_tokens, num_tokens + 1, num_tokens + 2]
     assert b"done" in rerun[-1]
-    # A reader that starts now reads only the latest attempt.
-    deltas = list(client.sink.read_deltas(job_id, timeout_s=10))
-    assert deltas[0].attempt == 2 and all(d.attempt is None for d in deltas[1:])
+    # A reader that starts now reads the kept text and the rest.
     assert "".join(client.stream(job_id, timeout=10)) == result.text

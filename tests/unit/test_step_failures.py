@@ -17,7 +17,7 @@ import pytest
 
 from qworker.backends.memory.queue import Journal, MemoryQueue, MemorySource
 from qworker.backends.memory.results import MemoryResultSink
-from qworker.backends.sink import Delta
+from qworker.backends.sink import Delta, ResumePoint
 from qworker.errors import EngineFailedError, StreamRestartedError
 from qworker.jobs.client import Client
 from qworker.jobs.job import JobResult, JobStatus
@@ -220,8 +220,12 @@ def test_a_rerun_opens_its_deltas_with_an_attempt_marker():
     markers = [i for i, d in enumerate(deltas) if d.attempt is not None]
     assert [deltas[i].attempt for i in markers] == [2]
     assert "".join(d.text for d in deltas[: markers[0]]) == "abcd"
-    assert "".join(d.text for d in deltas[markers[0] :]) == h.result("a").text == "abcdefgh"
-    # A reader that starts now sees only the latest attempt.
+    # The rerun resumes from the 4 tokens its delta stream holds (docs/queues.md "Resume from
+    # tokens"): its marker keeps them, and it streams only the rest.
+    assert deltas[markers[0]].resume == ResumePoint(4, 4)
+    assert "".join(d.text for d in deltas[markers[0] :]) == "efgh"
+    assert h.result("a").text == "abcdefgh"
+    # A reader that starts now sees the kept text and the rest.
     assert "".join(d.text for d in h.sink.read_deltas("a", timeout_s=1)) == "abcdefgh"
 
 

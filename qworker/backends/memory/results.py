@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from qworker.backends.memory.queue import URL_PARAMS, Journal
-from qworker.backends.sink import Delta, ResultSink, latest_attempt
+from qworker.backends.sink import Delta, Progress, ResultSink, latest_attempt, progress_of
 from qworker.backends.urls import named_location
 from qworker.jobs.job import JobResult
 
@@ -87,6 +87,10 @@ class MemoryResultSink(ResultSink):
             last_progress = time.monotonic()
             if not new and is_ended:
                 return
+
+    def read_progress(self, job_id: str) -> Progress:
+        with self._changed:
+            return progress_of(list(self.deltas.get(job_id, [])))
 
     def delete_result(self, job_id: str) -> None:
         with self._changed:

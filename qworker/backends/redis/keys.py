@@ -36,6 +36,12 @@ DELTA_FIELD_DONE = "done"
 # The first entry a second or later attempt of a job writes (value: the attempt number): a reader
 # drops the text of earlier attempts, because the new one streams its text from the start.
 DELTA_FIELD_ATTEMPT = "attempt"
+# On a delta: the position of its first token in the job's output. On an attempt marker: the new
+# attempt resumes after that many tokens and characters of what came before (docs/queues.md,
+# "Resume from tokens"); a marker without them starts from zero.
+DELTA_FIELD_POS = "pos"
+DELTA_FIELD_RESUME_TOKENS = "resume_tokens"
+DELTA_FIELD_RESUME_CHARS = "resume_chars"
 # What went wrong in a job's latest attempt, for the dead-letter reason of a later one.
 DEFAULT_LAST_ERROR_TTL_S = 24 * 3600
 

@@ -3,7 +3,9 @@
 - Deltas: XADD to `{prefix}:deltas:{id}` with an approximate MAXLEN and a TTL, one pipeline per
   engine step. A final entry with a `done` field tells live readers the result is stored. An
   entry with an `attempt` field opens a new attempt (after a redelivery): what came before it is
-  superseded, and readers drop it.
+  superseded, and readers drop it, or, with `resume_tokens` and `resume_chars`, keep that much
+  of it. Each delta's `pos` is its first token's place in the output: the stream is the job's
+  checkpoint, which a later attempt resumes from (`read_progress`, docs/queues.md).
 - Last errors: `SET {prefix}:lasterror:{id} <text> EX 1 day`, read back when a later attempt
   dead-letters the job.
 - Result: `SET {prefix}:result:{id} <json> NX EX ttl`. NX makes the first writer win, so a job
@@ -30,7 +32,7 @@ from qworker.backends.redis.connection import (
     parse_redis_url,
     worker_client,
 )
-from qworker.backends.sink import Delta, ResultSink, latest_attempt
+from qworker.backends.sink import Delta, Progress, ResultSink, ResumePoint, latest_attempt, progress_of
 from qworker.backends.urls import InvalidURLError, redact_url, url_number
 from qworker.jobs.job import JobResult
 
@@ -71,11 +73,16 @@ class RedisResultSink(ResultSink):
             fields: dict[str, Any]
             if delta.attempt is not None:
                 fields = {keys.DELTA_FIELD_ATTEMPT: delta.attempt}
+                if delta.resume is not None:
+                    fields[keys.DELTA_FIELD_RESUME_TOKENS] = delta.resume.num_tokens
+                    fields[keys.DELTA_FIELD_RESUME_CHARS] = delta.resume.num_chars
             else:
                 fields = {
                     keys.DELTA_FIELD_TEXT: delta.text,
                     keys.DELTA_FIELD_TOKEN_IDS: json.dumps(delta.token_ids),
                 }
+                if delta.pos is not None:
+                    fields[keys.DELTA_FIELD_POS] = delta.pos
             pipe.xadd(key, fields, maxlen=self.delta_maxlen, approximate=True)
             if delta.job_id not in self._has_expiry:
                 # Once per job: EXPIRE on every token would double the commands per step.
@@ -145,6 +152,21 @@ class RedisResultSink(ResultSink):
                 if timeout_s is not None and time.monotonic() - last_progress >= timeout_s:
                     raise TimeoutError(f"no output from job {job_id} for {timeout_s:.1f}s")
 
+    def read_progress(self, job_id: str) -> Progress:
+        """The job's deltas as progress (sink.progress_of), in one XRANGE. An entry that does not
+        parse makes a problem: the job then starts from zero."""
+        deltas = []
+        for entry_id, fields in self.redis.xrange(self._key(keys.delta_stream_key, job_id), "-", "+"):
+            try:
+                delta = _parse_delta(job_id, fields)
+            except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
+                name = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                return Progress(problem=f"delta entry {name} does not parse: {type(exc).__name__}: {exc}")
+            if delta is None:
+                break  # the done marker: an attempt stored a result
+            deltas.append(delta)
+        return progress_of(deltas)
+
     def request_cancel(self, job_id: str) -> None:
         self.redis.set(self._key(keys.cancel_key, job_id), b"1", ex=keys.DEFAULT_CANCEL_TTL_S)
 
@@ -205,11 +227,17 @@ def _parse_delta(job_id: str, fields: dict[bytes, bytes]) -> Delta | None:
         return None
     attempt = fields.get(keys.DELTA_FIELD_ATTEMPT.encode())
     if attempt is not None:
-        return Delta(job_id, "", [], attempt=int(attempt))
+        resume = None
+        num_tokens = fields.get(keys.DELTA_FIELD_RESUME_TOKENS.encode())
+        if num_tokens is not None:
+            resume = ResumePoint(int(num_tokens), int(fields[keys.DELTA_FIELD_RESUME_CHARS.encode()]))
+        return Delta(job_id, "", [], attempt=int(attempt), resume=resume)
+    pos = fields.get(keys.DELTA_FIELD_POS.encode())
     return Delta(
         job_id,
         fields[keys.DELTA_FIELD_TEXT.encode()].decode(),
         json.loads(fields[keys.DELTA_FIELD_TOKEN_IDS.encode()]),
+        pos=int(pos) if pos is not None else None,
     )
 
 

@@ -6,6 +6,8 @@
   first and then puts: two workers finishing the same job within that window both write, and the
   later object replaces the earlier one (still one object per id; its content is the later run's).
 - Deltas: S3 does not stream. `write_deltas` drops them and `read_deltas` waits for the result.
+  So it keeps no progress either (`read_progress` is None): a job released or killed part-way
+  starts from zero on its next attempt, unless `--stream-results` puts the deltas in Redis.
   To stream tokens, combine this store with a Redis one (`--stream-results redis://...`, see
   ../split_sink.py).
 - Job notes: cancel flags are empty objects under `prefix/_cancel/` (one LIST per check finds
