@@ -29,6 +29,11 @@ class _Body(BaseModel):
     priority: int | None = Field(
         default=None, description="vLLM's priority: lower runs first (the job's priority)"
     )
+    affinity: str | None = Field(
+        default=None,
+        description="qworker's affinity key: jobs with one key go to the worker holding their prefix "
+        "(default: derived from the prompt's start)",
+    )
 
 
 class ChatMessageIn(BaseModel):

@@ -16,7 +16,7 @@ from typing import Any
 
 from qworker.engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 from qworker.errors import InvalidParamsError
-from qworker.jobs.job import MAX_PROMPT_CHARS
+from qworker.jobs.job import MAX_PROMPT_CHARS, affinity_problem
 from qworker.openai.batches.files import InputRow
 from qworker.openai.format import CHAT_URL, COMPLETIONS_URL, SUPPORTED_URLS, RowError
 from qworker.openai.structured_fields import ForcedTool, output_constraint, tools_system_message
@@ -56,7 +56,16 @@ CHAT_FIELDS = frozenset(
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "logprobs"})
 # response_format and structured_outputs: structured_fields.py.
 COMMON_FIELDS = frozenset(
-    {"model", "stream", "n", "max_tokens", "response_format", "structured_outputs", *PASSTHROUGH_FIELDS}
+    {
+        "model",
+        "stream",
+        "n",
+        "max_tokens",
+        "response_format",
+        "structured_outputs",
+        "affinity",
+        *PASSTHROUGH_FIELDS,
+    }
 )
 # Accepted and without effect on what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
@@ -119,6 +128,8 @@ class RowRequest:
     forced_tool: ForcedTool | None = None
     # Completions with echo and max_tokens 0: the response holds the prompt alone.
     is_scoring_only: bool = False
+    # The job's affinity key (qworker/jobs/affinity.py); None: derived from the prompt.
+    affinity: str | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(**self.sampling, max_tokens=max_tokens)
@@ -391,6 +402,11 @@ def parse_row(
     if stream not in (None, False):
         raise RowError("stream must be false (or absent) in a batch", param="stream")
     check_fields(body, endpoint)
+    affinity = body.get("affinity")
+    if affinity is not None:
+        problem = affinity_problem(affinity) if isinstance(affinity, str) else "affinity must be a string"
+        if problem is not None:
+            raise RowError(problem, param="affinity")
     pending = asked_pending_fields(body)
     if pending:
         raise RowError(
@@ -434,6 +450,7 @@ def parse_row(
         num_prompt_logprobs=mapped.num_prompt_logprobs,
         forced_tool=constraint.forced_tool,
         is_scoring_only=mapped.is_scoring_only,
+        affinity=affinity,
     )
 
 

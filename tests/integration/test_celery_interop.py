@@ -86,7 +86,12 @@ def test_send_task_results_and_invalid_kwargs(broker, queue, celery_app, engine_
     sent = [celery_app.send_task("qworker.generate", kwargs=job, queue=queue) for job in jobs]
     chat = celery_app.send_task(
         "qworker.generate",
-        kwargs={"messages": [{"role": "user", "content": "Hi"}], "params": {"max_tokens": 3}},
+        # A Celery queue has one lane: the affinity key is accepted and has no effect.
+        kwargs={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "params": {"max_tokens": 3},
+            "affinity": "t1",
+        },
         queue=queue,
     )
     bad_params = celery_app.send_task(

@@ -47,6 +47,8 @@ def test_fifty_sqs_jobs_with_s3_results_match_llm_generate(sqs_s3):
             "messages": [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}],
             "params": {"max_tokens": 2 + i % 4, "temperature": 0.0},
             "metadata": {"index": i},
+            # SQS has one lane: the key is accepted and has no effect on where or how a job runs.
+            **({"affinity": f"task-{i % 3}"} if i % 2 else {}),
         }
         for i in range(50)
     ]

@@ -148,6 +148,9 @@ def test_row_ids_are_derived_from_the_batch_and_the_custom_id():
         ({"prompt": [1, "x"]}, COMPLETIONS, 400, IRE, "prompt must be"),
         ({"prompt": [5, 6], "echo": True}, COMPLETIONS, 400, IRE, "echo needs a text prompt"),
         ({"prompt": "x", "max_completion_tokens": 3}, COMPLETIONS, 400, IRE, "unknown field"),
+        (chat_body(affinity=7), CHAT, 400, IRE, "affinity must be a string"),
+        (chat_body(affinity="k" * 257), CHAT, 400, IRE, "257 bytes"),
+        (chat_body(affinity="\ud800"), CHAT, 400, IRE, "not valid Unicode"),
     ],
 )  # fmt: skip
 def test_rows_that_cannot_run_get_an_error_with_a_status(body, url, status, code, words):
@@ -393,7 +396,8 @@ def test_rows_become_jobs_and_results_become_lines():
     chat = parse(chat_body(max_tokens=3, temperature=0))
     job = job_for(chat, default_max_tokens=100)
     assert job.id == chat.request_id and job.messages[0].content == "Hi" and job.params.max_tokens == 3
-    assert job.metadata == {"custom_id": "r1"}
+    assert job.metadata == {"custom_id": "r1"} and job.affinity is None
+    assert job_for(parse(chat_body(affinity="task-3")), 100).affinity == "task-3"
     assert job_for(parse(chat_body()), default_max_tokens=100).params.max_tokens == 100
     assert job_for(parse({"prompt": [4, 5]}, COMPLETIONS), 100).prompt_token_ids == [4, 5]
     assert job_for(parse({"prompt": "x"}, COMPLETIONS), 100).prompt == "x"

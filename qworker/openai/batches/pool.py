@@ -76,6 +76,7 @@ def job_for(row: RowRequest, default_max_tokens: int) -> Job:
             "id": row.request_id,
             "params": params,
             "metadata": {"custom_id": row.custom_id},
+            "affinity": row.affinity,
         }
         if row.messages is not None:
             return Job(messages=[ChatMessage(**m) for m in row.messages], **common)
