@@ -174,6 +174,17 @@ CASES: list[tuple[str, str, bytes, str | None, int, str, str, str | None, tuple[
     ),
     ("top-p", CHAT, b'{"model": "fake", ' + HI + b', "top_p": 2}', JSON, 400, IRE, IRE, "top_p", ("top_p",)),
     (
+        "affinity",
+        CHAT,
+        b'{"model": "fake", ' + HI + b', "affinity": 5}',
+        JSON,
+        400,
+        IRE,
+        IRE,
+        "affinity",
+        ("string",),
+    ),
+    (
         "max-tokens",
         COMPLETIONS,
         b'{"model": "fake", "prompt": "hi", "max_tokens": -5}',

@@ -21,6 +21,9 @@ With `cluster` (scripts/chaos_soak.py --cluster) the same soak runs on a private
 Cluster (AOF on every node) with the cluster key layout: the Redis event is the restart of the
 node that serves the queue's slot, and once, at 70% of the run, the queue's slot migrates to
 another node while the workers lease from it.
+With `affinity_lanes` (e.g. `--affinity-lanes 8 --affinity-keys 20`) the queue has that many
+affinity lanes, two jobs in three name one of the keys and the rest none (the shared stream), and
+the pending count covers every lane.
 `run_soak` prints the counts and returns 1 if any is wrong. scripts/chaos_soak.py runs it from
 the command line (10,000 jobs, about 20 minutes); tests/integration/test_chaos_small.py runs that
 script with 300.
@@ -45,6 +48,7 @@ from typing import Any
 import redis as redis_lib
 
 from qworker.backends.redis import keys as constants
+from qworker.backends.redis.lanes import QueueStreams
 from qworker.backends.redis.server import RedisServer
 from qworker.backends.redis.topologies import LocalCluster, RedisNode
 from qworker.jobs.client import Client
@@ -89,6 +93,11 @@ class SoakSettings:
     out: str = str(Path(tempfile.gettempdir()) / "qworker-chaos-soak")
     model_dir: str = str(Path(tempfile.gettempdir()) / "qworker-chaos-tiny-llama")
     cluster: bool = field(default=False, metadata={"help": "run on a 3-primary Redis Cluster"})
+    affinity_lanes: int = field(default=1, metadata={"help": "the queue's affinity_lanes (1: none)"})
+    affinity_keys: int = field(
+        default=0,
+        metadata={"help": "distinct affinity keys; two jobs in three name one of them, the rest none"},
+    )
 
 
 class ClusterStore:
@@ -152,6 +161,9 @@ class Soak:
         else:
             self.server = RedisServer(self.out / "redis-data").start()
         self.url = f"{self.server.url}?stream={name}&group=g&prefix={name}"
+        if settings.affinity_lanes != 1:
+            self.url += f"&affinity_lanes={settings.affinity_lanes}"
+        self.streams = QueueStreams.of(self.stream, settings.affinity_lanes, cluster=settings.cluster)
         self.num_slot_moves = 0
         self.model_dir = write_tiny_model_dir(Path(settings.model_dir))
         self.slots = [Slot(f"w{i}") for i in range(settings.workers)]
@@ -225,14 +237,15 @@ class Soak:
             batch = []
             for _ in range(min(count, self.settings.num_jobs - i)):
                 tokens = [1, 100 + self.rng.randrange(5000), 17]
-                batch.append(
-                    {
-                        "id": f"soak-{i}",
-                        "prompt_token_ids": tokens,
-                        "priority": 0 if self.rng.random() < self.settings.urgent_share else 5,
-                        "params": {"max_tokens": 8, "ignore_eos": True},
-                    }
-                )
+                job = {
+                    "id": f"soak-{i}",
+                    "prompt_token_ids": tokens,
+                    "priority": 0 if self.rng.random() < self.settings.urgent_share else 5,
+                    "params": {"max_tokens": 8, "ignore_eos": True},
+                }
+                if self.settings.affinity_keys and self.rng.random() < 2 / 3:
+                    job["affinity"] = f"key-{self.rng.randrange(self.settings.affinity_keys)}"
+                batch.append(job)
                 i += 1
             while True:
                 try:
@@ -366,7 +379,7 @@ class Soak:
                 num_duplicated += done > 1
         pending = sum(
             int(r.xpending(stream, "g")["pending"]) + int(r.xlen(stream))
-            for stream in (self.stream, constants.high_lane_stream(self.stream))
+            for stream in self.streams.all
         )
         dead = int(r.xlen(constants.dead_letter_stream(self.stream)))
         memory = self.check_memory()
