@@ -15,7 +15,7 @@ from qworker.backends.redis.connection import (
     redis_client,
 )
 from qworker.backends.redis.lanes import QueueStreams
-from qworker.backends.redis.queue_streams import ensure_group, queue_lanes, queue_streams
+from qworker.backends.redis.queue_streams import ensure_groups, queue_lanes, queue_streams
 from qworker.backends.source import JobProducer, OutgoingJob
 from qworker.backends.urls import url_integer
 from qworker.utils import as_text
@@ -41,8 +41,7 @@ class RedisStreamProducer(JobProducer):
         # Jobs of this priority or lower go to the priority lane; None: none goes there.
         self.high_lane_max_priority = high_lane_max_priority
         # The groups exist before the first job, so that no job predates them unseen.
-        for lane in self.streams.all:
-            ensure_group(redis, lane, group)
+        ensure_groups(redis, self.streams.all, group)
 
     def _lane(self, job: OutgoingJob) -> str:
         limit = self.high_lane_max_priority

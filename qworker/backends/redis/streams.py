@@ -42,7 +42,7 @@ from qworker.backends.redis.lane_reads import (
     expired_leases,
 )
 from qworker.backends.redis.lanes import QueueStreams, ReadingOrder, reading_order
-from qworker.backends.redis.queue_streams import ensure_group, is_no_group, queue_lanes, queue_streams
+from qworker.backends.redis.queue_streams import ensure_groups, is_no_group, queue_lanes, queue_streams
 from qworker.backends.source import JobSource, Lease
 from qworker.backends.urls import InvalidURLError, redact_url, url_number
 from qworker.jobs.job import job_id_problem
@@ -128,8 +128,7 @@ class RedisStreamSource(JobSource):
         self._ensure_groups()
 
     def _ensure_groups(self) -> None:
-        for stream in self.streams.all:
-            ensure_group(self.redis, stream, self.group)
+        ensure_groups(self.redis, self.streams.all, self.group)
 
     def _by_stream(self, leases: list[Lease]) -> dict[str, dict[str, Lease]]:
         """{stream: {entry id: lease}} of the leases."""
@@ -278,6 +277,8 @@ class RedisStreamSource(JobSource):
     # -- holding and letting go --------------------------------------------------------------
 
     def extend(self, leases: list[Lease]) -> list[Lease]:
+        # A busy worker (no room, so no lease calls) still beats here: it keeps its lanes.
+        self._beat()
         lost: list[Lease] = []
         for lane, held in self._by_stream(leases).items():
             try:
