@@ -367,6 +367,7 @@ class ModelRunner:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         batch_requests = self.input_batch.requests
+        vocab_size = logits.shape[-1]
         rows = []
         for item in inputs.sampled_requests:
             state = batch_requests[item.request_id]
@@ -375,7 +376,7 @@ class ModelRunner:
                     params=state.sampling_params,
                     # The chunk reaches the last token, so the request has num_tokens now.
                     num_output_tokens=item.num_tokens - state.num_prompt_tokens,
-                    generator=self._generator_for(item.request_id, state, logits.shape[-1]),
+                    generator=self._generator_for(item.request_id, state, vocab_size),
                 )
             )
         # Rows asking logprobs: their raw distribution, before the sampler masks logits in place.
