@@ -39,7 +39,9 @@ local function take(i, count)
 end
 left = left - take(1, left)
 local turn = {}
-for i = 2, num_fair + 1 do turn[#turn + 1] = i end
+for i = 2, num_fair + 1 do
+  if redis.call('XLEN', KEYS[i]) > 0 then turn[#turn + 1] = i end
+end
 while left > 0 and #turn > 0 do
   local share = math.max(1, math.floor(left / #turn))
   local again = {}
@@ -187,22 +189,65 @@ class PipelinedLaneReader:
         return self._take(counts) if counts else []
 
 
+# KEYS: the streams; ARGV: group, count, min_idle_ms. The expired entries of every stream, in
+# order, up to the count: {key index (1-based), entry id, times delivered} each. Streams with no
+# pending entries cost one XLEN-like check, so an idle worker can scan 258 streams cheaply.
+_EXPIRED_LUA = """
+local group, left, idle = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local out = {}
+for i, key in ipairs(KEYS) do
+  if left <= 0 then break end
+  local ok, summary = pcall(redis.call, 'XPENDING', key, group)
+  if ok and tonumber(summary[1]) > 0 then
+    for _, p in ipairs(redis.call('XPENDING', key, group, 'IDLE', idle, '-', '+', left)) do
+      table.insert(out, {i, p[1], p[4]})
+      left = left - 1
+    end
+  end
+end
+return out
+"""
+
+
+class ExpiredScanner:
+    """Finds entries whose lease expired: one script call on one server, a pipeline of
+    XPENDING ... IDLE on a cluster."""
+
+    def __init__(self, redis: Any, *, cluster: bool) -> None:
+        self.redis = redis
+        self._scan = None if cluster else redis.register_script(_EXPIRED_LUA)
+
+    def find(
+        self, streams: tuple[str, ...], group: str, count: int, min_idle_ms: int
+    ) -> list[tuple[str, str, int]]:
+        """(stream, entry id, times delivered) of up to `count` expired entries."""
+        if self._scan is not None:
+            reply = self._scan(keys=list(streams), args=[group, count, min_idle_ms])
+            return [(streams[int(i) - 1], as_text(entry_id), int(n)) for i, entry_id, n in reply or []]
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xpending_range(stream, group, min="-", max="+", count=count, idle=min_idle_ms)
+        found: list[tuple[str, str, int]] = []
+        for stream, pending in zip(streams, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(pending, Exception):  # NOGROUP: the caller's next read makes the group
+                continue
+            found += [(stream, as_text(p["message_id"]), int(p["times_delivered"])) for p in pending]
+        return found[:count]
+
+
 def expired_leases(
-    redis: Any, streams: tuple[str, ...], group: str, consumer: str, count: int, min_idle_ms: int
+    redis: Any,
+    scanner: ExpiredScanner,
+    streams: tuple[str, ...],
+    group: str,
+    consumer: str,
+    count: int,
+    min_idle_ms: int,
 ) -> list[tuple[Entry, int]]:
     """Claim up to `count` entries whose lease expired (their consumer died or stalled), with
-    their delivery counts, the streams in order. Two pipelined round trips on any topology:
-    XPENDING ... IDLE lists the expired entries with their counts, XCLAIM takes those still idle
-    (a peer may have taken one in between: XCLAIM then returns nothing for it)."""
-    pipe = redis.pipeline(transaction=False)
-    for stream in streams:
-        pipe.xpending_range(stream, group, min="-", max="+", count=count, idle=min_idle_ms)
-    found: list[tuple[str, str, int]] = []
-    for stream, pending in zip(streams, pipe.execute(raise_on_error=False), strict=True):
-        if isinstance(pending, Exception):  # NOGROUP: the caller's next read makes the group
-            continue
-        found += [(stream, as_text(p["message_id"]), int(p["times_delivered"])) for p in pending]
-    found = found[:count]
+    their delivery counts, the streams in order: the scanner lists them, XCLAIM (pipelined)
+    takes those still idle (a peer may have taken one in between: XCLAIM returns nothing)."""
+    found = scanner.find(streams, group, count, min_idle_ms)
     if not found:
         return []
     pipe = redis.pipeline(transaction=False)

@@ -37,6 +37,7 @@ from qworker.backends.redis.connection import (
 )
 from qworker.backends.redis.lane_reads import (
     Entry,
+    ExpiredScanner,
     PipelinedLaneReader,
     ScriptLaneReader,
     expired_leases,
@@ -119,6 +120,7 @@ class RedisStreamSource(JobSource):
         self._claim_owned = redis.register_script(_CLAIM_OWNED_LUA)
         self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
         self._reader = (PipelinedLaneReader if cluster else ScriptLaneReader)(redis, group, consumer)
+        self._expired = ExpiredScanner(redis, cluster=cluster)
         self._last_reclaim = 0.0
         # Lane ownership: the live workers at the last heartbeat, and this worker's order.
         self._live: frozenset[str] = frozenset({consumer})
@@ -230,7 +232,9 @@ class RedisStreamSource(JobSource):
     def _reclaim(self, count: int) -> list[Lease]:
         self._last_reclaim = time.monotonic()
         min_idle_ms = int(self.lease_timeout_s * 1000)
-        claimed = expired_leases(self.redis, self.streams.all, self.group, self.consumer, count, min_idle_ms)
+        claimed = expired_leases(
+            self.redis, self._expired, self.streams.all, self.group, self.consumer, count, min_idle_ms
+        )
         return [self._lease_of(entry, delivered) for entry, delivered in claimed]
 
     def _lease_of(self, entry: Entry, delivery_count: int) -> Lease:
