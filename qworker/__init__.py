@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "qworker.engine.outputs",
     "CompletionOutput": "qworker.engine.outputs",
     "Client": "qworker.jobs.client",
+    "LoRARequest": "qworker.lora.request",
 }
 
 __all__ = [  # noqa: RUF022
@@ -27,6 +28,7 @@ __all__ = [  # noqa: RUF022
     "RequestOutput",
     "CompletionOutput",
     "Client",
+    "LoRARequest",
 ]
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from qworker.engine.outputs import CompletionOutput, RequestOutput
     from qworker.engine.sampling_params import SamplingParams
     from qworker.jobs.client import Client
+    from qworker.lora.request import LoRARequest
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,8 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # backend takes VLLM_CPU_KVCACHE_SPACE instead of a fraction: host memory is the OS's and other
 # processes' too).
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+# The largest LoRA rank an engine serves (max_lora_rank's bound).
+MAX_LORA_RANK = 64
 # Deprecated EngineConfig fields, each to the field that replaces it.
 DEPRECATED_FIELDS = {"kv_cache_memory_gb": "kv_cache_memory_bytes"}
 
@@ -126,6 +128,28 @@ class EngineConfig:
         },
     )
 
+    enable_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve LoRA adapters (PEFT's format) per request, as vLLM's --enable-lora; "
+            "off: the model runs without the adapter layers (docs/lora.md)"
+        },
+    )
+    max_loras: int = field(
+        default=1, metadata={"help": "Adapters that can run in one step (device slots), as in vLLM"}
+    )
+    max_lora_rank: int = field(
+        default=16,
+        metadata={"help": f"Largest adapter rank served (at most {MAX_LORA_RANK}); slots are sized to it"},
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={
+            "help": "Adapters kept loaded in host memory, least recently used evicted first "
+            "(none: max_loras); at least max_loras"
+        },
+    )
+
     def __post_init__(self) -> None:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         if self.block_size < 1:
@@ -148,6 +172,17 @@ class EngineConfig:
             raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory: max_cpu_loras, or max_loras when it is none."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def _convert_kv_cache_memory_gb(self, memory_gb: float) -> None:
         if self.kv_cache_memory_bytes is not None:

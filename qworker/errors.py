@@ -26,6 +26,14 @@ class ResumeRefusedError(InvalidRequestError):
     resume (n > 1, logprobs, structured outputs). The caller starts the request from zero."""
 
 
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served: its files are missing or unreadable, it is not a
+    LoRA adapter (another PEFT method, DoRA, a tensor that is no lora_A/lora_B), its rank is
+    over max_lora_rank, it targets a module the model lacks (or one qworker does not adapt,
+    such as MoE experts), its shapes differ from the base model's, or its weights hold NaN or
+    inf. It fails only the requests that ask for that adapter (docs/lora.md)."""
+
+
 class UnknownModelError(QworkerError, ValueError):
     """The model name or path does not resolve to a model qworker can load."""
 

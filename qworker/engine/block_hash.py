@@ -11,8 +11,10 @@ What goes into the key, and why nothing else needs to:
   fixed per engine;
 - the salt: the engine's model and dtype. One engine holds one model and one KV cache, so
   blocks of different models never meet; the salt keeps that true for a cache shared across
-  engines later. Anything that changes a request's KV while the tokens stay the same (a LoRA
-  adapter, one day) must go into the root hash of that request's chain.
+  engines later. Anything that changes a request's KV while the tokens stay the same goes into
+  the root hash of that request's chain as extra keys (vLLM's `extra_keys`): a LoRA adapter's
+  id, name and path (`LoRARequest.cache_key`), so that the same prompt under two adapters, or
+  under an adapter and the base model, never shares a block.
 
 Why sha256 rather than Python's builtin `hash` of a tuple: the cache is shared between jobs,
 possibly from different users, and a collision would let one job attend to another job's KV.
@@ -30,9 +32,13 @@ from collections.abc import Sequence
 BlockHash = bytes
 
 
-def root_block_hash(salt: str) -> BlockHash:
-    """The parent hash of every request's first block in an engine with this salt."""
-    return hashlib.sha256(b"qworker prefix cache\0" + salt.encode()).digest()
+def root_block_hash(salt: str, extra_keys: Sequence[str] = ()) -> BlockHash:
+    """The parent hash of every request's first block in an engine with this salt, for requests
+    whose KV also depends on `extra_keys` (none: the base model's requests)."""
+    root = hashlib.sha256(b"qworker prefix cache\0" + salt.encode()).digest()
+    for key in extra_keys:
+        root = hashlib.sha256(root + b"\0extra\0" + key.encode()).digest()
+    return root
 
 
 def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

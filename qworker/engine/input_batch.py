@@ -45,6 +45,8 @@ class InputBatch:
         # [rows, max_blocks_per_row] int32; columns past a row's num_blocks are 0, as padding.
         self.block_table = np.zeros((max_num_rows, max_blocks_per_row), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_rows, dtype=np.int64)  # [rows]
+        # [rows] the LoRA slot of each row's request (-1: the base model).
+        self.lora_slot = np.full(max_num_rows, -1, dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_rows))  # a heap: the lowest free row first
 
@@ -65,6 +67,7 @@ class InputBatch:
             num_resumed_tokens=new.num_resumed_tokens,
         )
         self.requests[new.request_id] = state
+        self.lora_slot[row] = new.lora_slot
         return state
 
     def remove(self, request_id: str) -> None:
@@ -75,6 +78,7 @@ class InputBatch:
         row = state.row
         self.block_table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
+        self.lora_slot[row] = -1
         heapq.heappush(self._free_rows, row)
 
     def update(self, item: ScheduledRequest) -> CachedRequestState:

@@ -54,7 +54,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
+        self._cache_salt = cache_salt
         self._root_hash = root_block_hash(cache_salt)
+        # Roots of requests run with a LoRA adapter, by the adapter's cache key.
+        self._lora_roots: dict[str, BlockHash] = {}
         self._requests: dict[str, _RequestBlocks] = {}
         # Sum over requests of the empty slots of their last block. Shared blocks are full, so
         # used blocks * block_size - this is the tokens stored, each shared block counted once.
@@ -68,8 +71,21 @@ class KVCacheManager:
     # -- the prefix cache --------------------------------------------------------------------
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, self._root_hash)
+        root = (
+            self._root_hash
+            if request.lora_request is None
+            else self._lora_root(request.lora_request.cache_key)
+        )
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, root)
         return request.block_hashes
+
+    def _lora_root(self, key: str) -> BlockHash:
+        root = self._lora_roots.get(key)
+        if root is None:
+            if len(self._lora_roots) >= 4096:
+                self._lora_roots.clear()
+            root = self._lora_roots[key] = root_block_hash(self._cache_salt, (key,))
+        return root
 
     def _cached_run(self, request: Request) -> list[int]:
         """Block ids of the longest cached run of the request's full blocks below its last token."""

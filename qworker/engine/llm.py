@@ -7,6 +7,7 @@ from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine, Prompt
 from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import SamplingParams
+from qworker.lora.request import LoRARequest
 
 
 class LLM:
@@ -30,8 +31,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        `lora_request`: one adapter for every prompt, or one per prompt (None: the base model),
+        as vLLM takes it. A prompt whose adapter cannot be used gets a failed output (its
+        `error` says why); the others complete."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -43,6 +49,12 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompts):
+                raise ValueError(f"{len(lora_list)} LoRA requests for {len(prompts)} prompts")
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
@@ -50,7 +62,11 @@ class LLM:
                 self._counter += 1
                 request_ids.append(
                     engine.add_request(
-                        f"gen-{self._counter}", prompt, params, priority=priority[i] if priority else 0
+                        f"gen-{self._counter}",
+                        prompt,
+                        params,
+                        priority=priority[i] if priority else 0,
+                        lora_request=lora_list[i],
                     )
                 )
             return self._run(request_ids, use_tqdm)

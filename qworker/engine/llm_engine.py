@@ -22,6 +22,8 @@ from qworker.engine.scheduler import Scheduler
 from qworker.engine.structured import StructuredOutputs
 from qworker.engine.structured.manager import StructuredOutputManager
 from qworker.errors import EngineStepError, InvalidRequestError, ResumeRefusedError
+from qworker.lora.manager import LoRAManager, WaitingForAdapter
+from qworker.lora.request import LoRARequest
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from qworker.model.registry import model_config_from_hf
 
@@ -70,6 +72,19 @@ class LLMEngine:
             # What decides a block's KV besides its tokens: this engine's weights and dtype.
             cache_salt=f"{config.model}|{self.runner.dtype}",
         )
+        # LoRA adapters: loaded off the step loop, device slots counted by the scheduler.
+        self.lora = (
+            LoRAManager(
+                self.model_config,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.num_cpu_loras,
+            )
+            if config.enable_lora
+            else None
+        )
+        # n > 1 requests with an adapter: the adapter of their children still to queue.
+        self._lora_of_parent: dict[str, LoRARequest] = {}
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -78,6 +93,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
+            lora=self.lora,
         )
         # Grammars of structured-output requests; such a request waits there until it compiles.
         self.structured = StructuredOutputManager(
@@ -139,8 +155,13 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request. Raises a typed InvalidRequestError subclass for bad input.
+
+        With `lora_request`, the request runs with that LoRA adapter (docs/lora.md). It waits,
+        holding nothing, while the adapter loads; an adapter that cannot be used ends the request
+        at a later step with a failed output (LoRAAdapterError), and only that request.
 
         With `params.n > 1` the request runs as n child requests sharing the prompt's KV blocks;
         its step outputs carry the parent id (text deltas of completion 0) and its final output
@@ -159,8 +180,18 @@ class LLMEngine:
             request_id in self.output_processor
             or request_id in self._parallel
             or request_id in self.structured.waiting
+            or (self.lora is not None and request_id in self.lora)
         ):
             raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise InvalidRequestError(
+                    f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+                )
+            if self.lora is None:
+                raise InvalidRequestError(
+                    "a LoRA adapter was asked for, but this engine runs without enable_lora"
+                )
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt_token_ids(token_ids)
         params.check_model_limits(self.model_config.vocab_size)
@@ -171,15 +202,25 @@ class LLMEngine:
         if params.n > 1 and any(child_id(request_id, i) in self.output_processor for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} clashes with a request in the engine")
         arrival_time = arrival_time or time.time()
-        if params.structured_outputs is not None:
-            # Compiles off this thread; the request joins the scheduler at a later step.
-            self.structured.wait_for_grammar(
-                request_id,
-                StructuredOutputs.from_value(params.structured_outputs),
-                lambda: self._start(request_id, text, token_ids, params, priority, arrival_time),
-            )
+
+        def proceed() -> None:
+            if params.structured_outputs is not None:
+                # Compiles off this thread; the request joins the scheduler at a later step.
+                self.structured.wait_for_grammar(
+                    request_id,
+                    StructuredOutputs.from_value(params.structured_outputs),
+                    lambda: self._start(
+                        request_id, text, token_ids, params, priority, arrival_time, lora_request=lora_request
+                    ),
+                )
+                return
+            self._start(request_id, text, token_ids, params, priority, arrival_time, resume, lora_request)
+
+        if lora_request is not None and self.lora is not None and not self.lora.is_loaded(lora_request):
+            # Loads off this thread; the request goes on at the step that finds it loaded.
+            self.lora.wait_for_adapter(WaitingForAdapter(request_id, lora_request, proceed))
             return request_id
-        self._start(request_id, text, token_ids, params, priority, arrival_time, resume)
+        proceed()
         return request_id
 
     def _check_resume(self, prompt_token_ids: list[int], params: SamplingParams, resume: ResumeFrom) -> None:
@@ -201,14 +242,32 @@ class LLMEngine:
         priority: int,
         arrival_time: float,
         resume: ResumeFrom | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if params.n == 1:
-            self._enqueue(request_id, text, token_ids, params, priority, arrival_time, resume=resume)
+            self._enqueue(
+                request_id,
+                text,
+                token_ids,
+                params,
+                priority,
+                arrival_time,
+                resume=resume,
+                lora_request=lora_request,
+            )
             return
         assert resume is None, "n > 1 requests do not resume (resume_problem)"
         parent = self._parallel.add(request_id, text, token_ids, params, priority, arrival_time)
+        if lora_request is not None:
+            self._lora_of_parent[parent.request_id] = lora_request
         self._enqueue(
-            parent.first_child_id, text, token_ids, child_params(params, 0), priority, parent.arrival_time
+            parent.first_child_id,
+            text,
+            token_ids,
+            child_params(params, 0),
+            priority,
+            parent.arrival_time,
+            lora_request=lora_request,
         )
         if not self.config.enable_prefix_caching:
             self._release_children(parent)
@@ -216,6 +275,7 @@ class LLMEngine:
     def _release_children(self, parent: ParentRequest) -> None:
         # The others queue in completion 0's place, not behind requests that came after it.
         arrival_index = self.output_processor.arrival_index(parent.first_child_id)
+        lora_request = self._lora_of_parent.pop(parent.request_id, None)
         for cid, params in parent.take_pending():
             self._enqueue(
                 cid,
@@ -225,6 +285,7 @@ class LLMEngine:
                 parent.priority,
                 parent.arrival_time,
                 arrival_index,
+                lora_request=lora_request,
             )
 
     def _enqueue(
@@ -238,9 +299,30 @@ class LLMEngine:
         arrival_index: int | None = None,
         *,
         resume: ResumeFrom | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        if lora_request is not None and self.lora is not None and not self.lora.is_loaded(lora_request):
+            # Evicted from host memory while its grammar compiled: load it again first.
+            self.lora.wait_for_adapter(
+                WaitingForAdapter(
+                    request_id,
+                    lora_request,
+                    lambda: self._enqueue(
+                        request_id, text, token_ids, params, priority, arrival_time, arrival_index,
+                        resume=resume, lora_request=lora_request,
+                    ),
+                )
+            )  # fmt: skip
+            return
         output_token_ids = list(resume.token_ids) if resume is not None else []
-        request = Request(request_id, token_ids, params, priority=priority, output_token_ids=output_token_ids)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            priority=priority,
+            output_token_ids=output_token_ids,
+            lora_request=lora_request,
+        )
         if params.structured_outputs is not None:
             request.grammar = self.structured.new_state(
                 StructuredOutputs.from_value(params.structured_outputs)
@@ -255,8 +337,11 @@ class LLMEngine:
         """Stop a queued or running request now and free its blocks. Returns its partial output."""
         if self.structured.waiting.pop(request_id, None) is not None:
             return None  # its grammar was still compiling: nothing ran
+        if self.lora is not None and self.lora.abort(request_id):
+            return None  # its adapter was still loading: nothing ran
         parent = self._parallel.pop(request_id)
         if parent is not None:
+            self._lora_of_parent.pop(request_id, None)
             for index, cid in enumerate(parent.child_ids):
                 child_output = self.abort(cid)
                 if child_output is not None:
@@ -272,6 +357,7 @@ class LLMEngine:
             self.scheduler.has_unfinished_requests()
             or self._parallel.has_pending_children()
             or bool(self.structured.waiting)
+            or (self.lora is not None and self.lora.has_waiting)
         )
 
     def kv_stats(self) -> KVCacheStats:
@@ -291,6 +377,8 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return each request's new tokens and text."""
         failed = self._start_compiled()
+        if self.lora is not None:
+            failed += self._start_loaded()
         self._release_prefilled_children()
         plan = self.scheduler.schedule()
         processor = self.output_processor
@@ -299,6 +387,8 @@ class LLMEngine:
         if plan.is_empty:
             self.runner.update_batch(plan)  # the rows of requests that left
             self.structured.wait_idle()
+            if self.lora is not None:
+                self.lora.wait_idle()
             return failed + processor.route(outputs)
         processor.mark_scheduled(plan, now)
         try:
@@ -310,6 +400,8 @@ class LLMEngine:
         except Exception as exc:
             # Blocks cached as the plan was made may hold no K/V now.
             self.kv_cache_manager.discard_scheduled()
+            if self.lora is not None:
+                self.lora.mark_stale([slot for slot, _ in plan.lora_loads])
             # Which requests ran is known here and nowhere else: the caller aborts them.
             ran = [*plan.capacity_finished_request_ids, *(item.request_id for item in plan.scheduled)]
             ran = list(dict.fromkeys(self._parallel.caller_id(r) for r in ran))
@@ -327,6 +419,20 @@ class LLMEngine:
                 waiting.start()
                 continue
             logger.info("request %s failed: %s", waiting.request_id, error)
+            failed.append(self.output_processor.failed_before_start(waiting.request_id, error, time.time()))
+        return failed
+
+    def _start_loaded(self) -> list[StepOutput]:
+        """Go on with the requests whose LoRA adapter loaded; a finished, failed output for each
+        whose adapter could not be used."""
+        assert self.lora is not None
+        failed = []
+        for waiting, error in self.lora.take_ready():
+            if error is None:
+                waiting.start()
+                continue
+            logger.info("request %s failed: %s", waiting.request_id, error)
+            self._lora_of_parent.pop(waiting.request_id, None)
             failed.append(self.output_processor.failed_before_start(waiting.request_id, error, time.time()))
         return failed
 

@@ -20,6 +20,7 @@ from qworker.engine.sampler import Sampler, SamplingRow, TokenBitmask, compute_l
 from qworker.engine.scheduler_output import GrammarRows, ScheduledRequest, SchedulerOutput
 from qworker.engine.step_inputs import StepInputs
 from qworker.errors import InvalidConfigError
+from qworker.lora.layers import LoRAModel, build_step_meta
 from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderForCausalLM
@@ -132,6 +133,20 @@ class ModelRunner:
             self.backend = make_batch_invariant(self.model, self.device)
         # RoPE tables stay float32, as transformers computes them.
         self.model.rotary.float()
+        # LoRA adapter layers (qworker/lora/layers.py); none at all with enable_lora off.
+        self.lora: LoRAModel | None = None
+        if config.enable_lora:
+            if config.batch_invariant:
+                raise InvalidConfigError(
+                    "enable_lora with batch_invariant: the adapters' matmuls are not invariant"
+                )
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
+            logger.info(
+                "LoRA: %d slot(s) of rank %d, %.1f MiB",
+                config.max_loras,
+                config.max_lora_rank,
+                self.lora.num_bytes / 2**20,
+            )
 
         self.num_kv_blocks = config.num_kv_blocks or self._num_kv_blocks_from_memory(model_config, config)
         # One block more than the pool hands out: the padding rows of a CUDA-graph decode batch
@@ -237,6 +252,10 @@ class ModelRunner:
             self.input_batch.remove(request_id)
         for new in plan.new_requests:
             self.input_batch.add(new)
+        if plan.lora_loads:
+            assert self.lora is not None, "a plan fills LoRA slots on an engine without enable_lora"
+            for slot, adapter in plan.lora_loads:
+                self.lora.set_slot(slot, adapter)
 
     def prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
         """The step's tensors, from the plan and the rows of the input batch (`update_batch` has
@@ -323,7 +342,14 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             request_lens=request_lens,
         )
+        lora_meta = None
+        if self.lora is not None:
+            token_slots = batch.lora_slot[rows]
+            if num_tokens != num_seqs:
+                token_slots = token_slots[seq_of_token]
+            lora_meta = build_step_meta(token_slots, self.lora.max_loras, device)
         return StepInputs(
+            lora=lora_meta,
             input_ids=torch.from_numpy(input_ids).to(device),
             positions=torch.from_numpy(positions).to(device),
             meta=meta,
@@ -351,10 +377,16 @@ class ModelRunner:
             return output
         inputs = self.prepare_inputs(plan)
         graphs = self.cuda_graphs
+        if self.lora is not None:
+            self.lora.set_step(inputs.lora)
+            if inputs.lora is not None:
+                graphs = None  # graphs are captured without adapters
         if graphs is not None and graphs.can_run(inputs):
             hidden = graphs.run(inputs)
         else:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.lora is not None:
+            self.lora.set_step(None)  # type: ignore[union-attr]  # set above
         if inputs.prompt_logits_indices is not None and inputs.prompt_target_ids is not None:
             prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices])
             num_top = [k for _, k, count in inputs.prompt_logprobs_rows for _ in range(count)]

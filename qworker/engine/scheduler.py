@@ -3,6 +3,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from qworker.config import SchedulingPolicy
 from qworker.engine.kv_cache_manager import CachedPrefix, KVCacheManager
@@ -16,6 +17,9 @@ from qworker.engine.scheduler_output import (
     SchedulerOutput,
 )
 from qworker.engine.structured.state import consume, fill_masks
+
+if TYPE_CHECKING:
+    from qworker.lora.manager import LoRAManager
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
@@ -51,8 +55,12 @@ class Scheduler:
         *,
         eos_token_ids: Iterable[int] = (),
         max_model_len: int | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        # LoRA adapters' device slots, counted as blocks are: a waiting request whose adapter
+        # has no slot now is passed over, and requests behind it that can run start.
+        self.lora = lora
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -90,6 +98,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         if request.grammar is not None:
             self._num_constrained += 1
+        if request.lora_request is not None and self.lora is not None:
+            self.lora.pin(request.lora_request.lora_int_id)
         heapq.heappush(self._waiting, (self._sort_key(request), request.request_id))
 
     @property
@@ -110,6 +120,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
+        if request.lora_request is not None and self.lora is not None:
+            self.lora.release(request.lora_request.lora_int_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -124,6 +136,10 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            if request.lora_request is not None and self.lora is not None:
+                self.lora.release(request.lora_request.lora_int_id)
+        if request.lora_request is not None and self.lora is not None:
+            self.lora.unpin(request.lora_request.lora_int_id)
         request.status = status
         if request.grammar is not None:
             self._num_constrained -= 1
@@ -210,10 +226,16 @@ class Scheduler:
 
         # 3. Admit waiting requests, best first, while budget, the running cap and blocks allow.
         # After a preemption nothing new joins this step: the pool is already short.
+        lora_loads: list[tuple[int, object]] = []
+        passed_over: list[tuple[tuple[int, int], str]] = []  # waiting for a LoRA slot
         while token_budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self._peek_waiting()
             if request is None:
                 break
+            lora = request.lora_request
+            if lora is not None and self.lora is not None and not self.lora.can_acquire(lora.lora_int_id):
+                passed_over.append(heapq.heappop(self._waiting))
+                continue
             # Cached tokens produce no logits: a request scoring its prompt computes all of it.
             if request.sampling_params.prompt_logprobs is not None:
                 cached_prefix = CachedPrefix()
@@ -231,6 +253,11 @@ class Scheduler:
             if block_ids is None:
                 break
             heapq.heappop(self._waiting)
+            lora_slot = -1
+            if lora is not None and self.lora is not None:
+                lora_slot, load = self.lora.acquire(lora.lora_int_id)
+                if load is not None:
+                    lora_loads.append((lora_slot, load))
             request.num_computed_tokens = cached_prefix.num_tokens
             if request.num_cached_tokens < 0:  # the first scheduling's hit, not a resume's
                 request.num_cached_tokens = cached_prefix.num_tokens
@@ -244,10 +271,13 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     num_scored_prompt_tokens=len(request.prompt_logprobs),
                     num_resumed_tokens=request.num_resumed_tokens,
+                    lora_slot=lora_slot,
                 )
             )
             take(request, num_new_tokens, block_ids)
             token_budget -= num_new_tokens
+        for entry in passed_over:
+            heapq.heappush(self._waiting, entry)
 
         finished = self._finished_since_last_plan
         self._finished_since_last_plan = []
@@ -260,6 +290,7 @@ class Scheduler:
             finished,
             capacity_finished,
             self._grammar_rows(scheduled),
+            lora_loads,
         )
 
     def _grammar_rows(self, scheduled: list[ScheduledRequest]) -> GrammarRows | None:

@@ -5,6 +5,7 @@ for the output processor. As vLLM v1's `v1/core/sched/output.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,8 @@ class NewRequestData:
     # Output tokens an earlier run generated (a resumed request): its seeded generator skips
     # the draws they took.
     num_resumed_tokens: int = 0
+    # The device slot of the request's LoRA adapter while it runs (-1: the base model).
+    lora_slot: int = -1
 
 
 # Not frozen: one per scheduled request and step, and a frozen dataclass costs 5x to build
@@ -68,6 +71,9 @@ class SchedulerOutput:
     # Requests finished by the scheduler itself: alone in the cache, they could not grow.
     capacity_finished_request_ids: list[str] = field(default_factory=list)
     grammar_rows: GrammarRows | None = None
+    # LoRA slots to fill before the step runs: (slot, the adapter in host memory, a
+    # qworker.lora.peft_adapter.LoRAAdapter).
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

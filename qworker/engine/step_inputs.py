@@ -6,6 +6,7 @@ Its own module because the runner builds it and the decode CUDA graphs read it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,3 +27,5 @@ class StepInputs:
     prompt_logits_indices: torch.Tensor | None = None
     prompt_target_ids: torch.Tensor | None = None
     prompt_logprobs_rows: list[tuple[str, int, int]] = field(default_factory=list)
+    # Which tokens run which LoRA slot (qworker.lora.layers.LoRAStepMeta); None: no adapter.
+    lora: Any = None
