@@ -55,9 +55,12 @@ class LoRAStepMeta:
     segment_slots: torch.Tensor | None = None
 
 
-def build_step_meta(token_slots: np.ndarray, max_loras: int, device: torch.device) -> LoRAStepMeta | None:
+def build_step_meta(
+    token_slots: np.ndarray, max_loras: int, device: torch.device, *, for_kernels: bool | None = None
+) -> LoRAStepMeta | None:
     """token_slots: [T] the adapter slot of each token of the step (-1: the base model). None
-    when no token runs an adapter."""
+    when no token runs an adapter. `for_kernels` (default: on CUDA) adds the segment tensors the
+    Triton kernels read; else the CPU path's."""
     lora_tokens = np.flatnonzero(token_slots >= 0)
     num = int(lora_tokens.size)
     if num == 0:
@@ -77,7 +80,7 @@ def build_step_meta(token_slots: np.ndarray, max_loras: int, device: torch.devic
         num_lora_tokens=num,
         max_segment_len=max_len,
     )
-    if device.type == "cuda":
+    if for_kernels if for_kernels is not None else device.type == "cuda":
         meta.segment_starts = torch.from_numpy(np.append(starts, num)).to(device)
         meta.segment_slots = torch.from_numpy(active).to(device)
         return meta
