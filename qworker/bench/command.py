@@ -116,6 +116,8 @@ def _build_systems(
     out: Path,
     queue_url: str | None,
     spawn_worker: bool,
+    num_workers: int = 1,
+    worker_threads: int | None = None,
 ) -> tuple[list[System], list[str]]:
     from qworker.bench.registry import build_system
 
@@ -140,7 +142,7 @@ def _build_systems(
                     f"{spec.label} has no {mode} mode (it is an in-process baseline); skipped there."
                 )
             else:
-                from qworker.bench.queue_client import QueueClientSystem, worker_args
+                from qworker.bench.queue_client import QueueClientSystem, queue_url_options, worker_args
 
                 pool = queue_systems.get(spec.label) or QueueClientSystem(
                     spec.label,
@@ -151,6 +153,9 @@ def _build_systems(
                     settings.device,
                     worker_args(spec, settings),
                     spawn_worker=spawn_worker,
+                    num_workers=num_workers,
+                    worker_threads=worker_threads,
+                    url_options=queue_url_options(spec),
                 )
                 if mode == "queue":
                     queue_systems[spec.label] = pool
@@ -228,6 +233,17 @@ def bench(
     spawn_worker: Annotated[
         bool, typer.Option(help="Queue mode: start a `qworker worker` for the run (else use running ones)")
     ] = True,
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="Queue mode: worker processes per qworker system, a pool on one queue; above 1 they sit "
+            "behind a private redis-server on a free loopback port unless --queue-url names one"
+        ),
+    ] = 1,
+    worker_threads: Annotated[
+        int | None,
+        typer.Option(help="Queue mode: OMP_NUM_THREADS of each spawned worker (default: the environment's)"),
+    ] = None,
     compute_limit: Annotated[
         bool,
         typer.Option(
@@ -248,7 +264,7 @@ def bench(
     from qworker.bench.registry import BenchSettings, parse_systems
     from qworker.bench.report import comparisons, render_report_md, saturation, write_results_json
     from qworker.bench.run import RunLimits
-    from qworker.bench.run_loop import warm_up
+    from qworker.bench.run_loop import warm_up, warmup_requests
     from qworker.bench.sweep import RequestSet, parse_rates, run_sweep
     from qworker.bench.workload import load_workload, requests_for_model
 
@@ -266,6 +282,10 @@ def bench(
     pcts = [float(p) for p in percentiles.split(",") if p.strip()]
     if not pcts or any(not 0 < p < 100 for p in pcts):
         raise typer.BadParameter(f"--percentiles must be numbers in (0, 100); got {percentiles!r}")
+    if workers < 1:
+        raise typer.BadParameter(f"--workers must be >= 1, got {workers}")
+    if worker_threads is not None and worker_threads < 1:
+        raise typer.BadParameter(f"--worker-threads must be >= 1, got {worker_threads}")
     baseline = baseline or _default_baseline(specs)
     shared = EngineConfig(**{k: v for k, v in engine_overrides.items() if k in SHARED_FIELDS})
     overrides = {k: v for k, v in engine_overrides.items() if k not in SHARED_FIELDS}
@@ -294,7 +314,12 @@ def bench(
         typer.echo("measuring the compute limit (F.linear at the workload's shapes) ...", err=True)
         limit = _compute_limit(settings, request_sets[0])
 
-    built, notes = _build_systems(specs, modes, settings, out, queue_url, spawn_worker)
+    try:
+        built, notes = _build_systems(
+            specs, modes, settings, out, queue_url, spawn_worker, workers, worker_threads
+        )
+    except ValueError as exc:  # SystemSpecError: a queue option that cannot be used
+        raise typer.BadParameter(str(exc)) from None
     if not built:
         raise typer.BadParameter(f"nothing to run: {' '.join(notes)}")
     limits = RunLimits(
@@ -304,7 +329,9 @@ def bench(
         for system in built:
             typer.echo(f"loading and warming up {system.label} ({system.mode}) ...", err=True)
             system.prepare()
-            warm_up(system, warmup)
+            pool_size = getattr(system, "num_workers", 1)
+            # A pool: distinct prompts, so that they spread over the lanes and the workers.
+            warm_up(system, warmup, warmup_requests(warmup * pool_size, distinct=pool_size > 1))
         runs = run_sweep(built, request_sets, limits, slo_limits, pcts, show_progress=progress)
         described = {f"{s.label} [{s.mode}]": s.describe() for s in built}
     finally:
@@ -332,6 +359,8 @@ def bench(
                 "device": device,
                 "batch_size": batch_size,
                 "warmup": warmup,
+                "workers": workers,
+                "worker_threads": worker_threads,
                 "engine_overrides": overrides,
             },
         },
@@ -382,4 +411,18 @@ def _print_summary(runs: list[dict[str, Any]], limit: dict[str, Any] | None = No
         typer.echo(
             f"{ratio['name']} / {ratio['other']} @ {ratio['rate_label']}: "
             f"output tok/s x{ratio['output_throughput_x']:.2f}"
+        )
+    for run in runs:
+        pool = run.get("pool")
+        if not pool:
+            continue
+        workers = ", ".join(
+            f"{name.rsplit('-', 1)[-1]}: {100 * (w['hit_rate'] or 0):.0f}% of {w['completed']}"
+            for name, w in pool["workers"].items()
+        )
+        over = pool["computed_over_ideal"]
+        typer.echo(
+            f"{run['name']} @ {run['rate_label']}: prompt tokens computed {pool['prompt_tokens_computed']:,}"
+            + (f" = {over:.2f}x the ideal" if over is not None else "")
+            + f", hit rate {100 * (pool['hit_rate'] or 0):.1f}% (per worker: {workers})"
         )

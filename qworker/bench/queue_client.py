@@ -13,6 +13,12 @@ times are when the client read each result.
 By default the bench starts its own `qworker worker` subprocess on a fresh stream, group and
 key prefix (so no stale jobs or results are seen) and stops it at the end; with
 `spawn_worker=False` it uses the URL as given and the workers already serving it.
+
+A pool (`num_workers` > 1, `qworker bench --workers N`) is N such processes on the same queue,
+each with `worker_threads` OpenMP threads, behind a private `redis-server` the system starts on a
+free loopback port unless a URL is given. A system spec's queue options (`affinity_lanes=16`,
+`steal_after_s=0.5`: QUEUE_URL_OPTIONS) go on the queue URL. Each record keeps what its result
+says about the prefix cache (cached prompt tokens) and which worker ran it (pool_stats.py).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ from qworker.cli_options import config_option_list, config_to_args
 from qworker.worker.settings import WorkerSettings
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+# Options of a qworker system spec that belong on the queue URL (docs/queues.md, "Affinity lanes"),
+# each with its type; `qworker:affinity_lanes=16` is a pool reading 16 lanes.
+QUEUE_URL_OPTIONS: dict[str, type] = {"affinity_lanes": int, "steal_after_s": float}
 # A stream that shows nothing for this long is failed (the worker died or never took it).
 DEFAULT_STREAM_STALL_S = 600.0
 _RESULT_STATUSES = {"completed": RequestStatus.COMPLETED, "timeout": RequestStatus.TIMEOUT}
@@ -68,6 +77,8 @@ class _Done:
     error: str | None = None
     num_output_tokens: int | None = None
     queue_wait_s: float | None = None
+    num_cached_tokens: int | None = None
+    worker: str | None = None
 
 
 def apply_events(run: Run, events: queue.Queue[_Chunk | _Done], wake: float | None) -> None:
@@ -96,6 +107,8 @@ def _apply(run: Run, event: _Chunk | _Done) -> None:
     if event.num_output_tokens is not None:
         record.num_output_tokens = event.num_output_tokens
     record.queue_wait_s = event.queue_wait_s
+    record.num_cached_tokens = event.num_cached_tokens
+    record.worker = event.worker
     run.finish(record, event.status, event.t, event.error)
 
 
@@ -112,13 +125,32 @@ def default_redis_url() -> str:
         return resolve_url(None)
 
 
+def queue_url_options(spec: SystemSpec) -> dict[str, str]:
+    """The spec's options that go on the queue URL (QUEUE_URL_OPTIONS), checked."""
+    options = {k: v for k, v in spec.options.items() if k in QUEUE_URL_OPTIONS}
+    for key, value in options.items():
+        try:
+            number = QUEUE_URL_OPTIONS[key](value)
+        except ValueError:
+            raise SystemSpecError(f"system {spec.label!r}: {key}={value!r} is not a number") from None
+        if number < (1 if key == "affinity_lanes" else 0):
+            raise SystemSpecError(f"system {spec.label!r}: {key}={value!r} is out of range")
+    return options
+
+
 def worker_args(spec: SystemSpec, settings: BenchSettings) -> list[str]:
     """`qworker worker` flags for a qworker system spec: its engine options and any WorkerSettings
     fields it names (max_backlog=4, ...). Static admission is an engine-mode variant only: the
-    worker has no switch for it. Model, dtype and device are passed by the system itself."""
+    worker has no switch for it. Model, dtype and device are passed by the system itself; queue
+    URL options (affinity_lanes=16) by the URL."""
     worker_fields = {o.field_name for o in config_option_list(WorkerSettings, exclude=("name",))}
     worker_options = {k: v for k, v in spec.options.items() if k in worker_fields}
-    engine_spec = replace(spec, options={k: v for k, v in spec.options.items() if k not in worker_fields})
+    engine_spec = replace(
+        spec,
+        options={
+            k: v for k, v in spec.options.items() if k not in worker_fields and k not in QUEUE_URL_OPTIONS
+        },
+    )
     config, static_batch_size = engine_config_for(engine_spec, settings)
     if static_batch_size is not None:
         raise SystemSpecError(f"system {spec.label!r}: static admission is not available in queue mode")
@@ -143,7 +175,12 @@ class QueueClientSystem(System):
         spawn_worker: bool = True,
         ready_timeout_s: float = 900.0,
         stream: bool = True,
+        num_workers: int = 1,
+        worker_threads: int | None = None,
+        url_options: dict[str, str] | None = None,
     ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.label = label
         self.queue_url = queue_url
         self.log_dir = Path(log_dir)
@@ -154,9 +191,14 @@ class QueueClientSystem(System):
         self.spawn_worker = spawn_worker
         self.ready_timeout_s = ready_timeout_s
         self.stream = stream
+        self.num_workers = num_workers
+        self.worker_threads = worker_threads
+        self.url_options = dict(url_options or {})
         self.url: str | None = None
         self.client: Any = None
-        self.process: subprocess.Popen[bytes] | None = None
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.redis_server: Any = None  # the private redis-server of a pool, when it started one
+        self._redis_dir: Any = None
         self.run_tag = uuid.uuid4().hex[:10]
         self._num_runs = 0
         self.startup_s: float | None = None
@@ -176,6 +218,10 @@ class QueueClientSystem(System):
             "dtype": self.dtype,
             "device": self.device,
             "startup_s": self.startup_s,
+            "num_workers": self.num_workers,
+            "worker_threads": self.worker_threads,
+            "url_options": self.url_options,
+            "private_redis": self.redis_server is not None,
         }
 
     def prepare(self) -> None:
@@ -183,23 +229,69 @@ class QueueClientSystem(System):
 
         clock = RunClock()
         if self.spawn_worker:
-            base = self.queue_url or default_redis_url()
+            base = self.queue_url or (self._start_redis() if self.num_workers > 1 else default_redis_url())
             name = f"qwbench:{self.run_tag}"
             sep = "&" if "?" in base else "?"
-            self.url = f"{base}{sep}stream={name}&group=bench&prefix={name}"
+            extra = "".join(f"&{k}={v}" for k, v in self.url_options.items())
+            self.url = f"{base}{sep}stream={name}&group=bench&prefix={name}{extra}"
             self._start_worker()
         else:
             if not self.queue_url:
                 raise ValueError("queue mode without a spawned worker needs --queue-url")
+            if self.url_options:
+                raise ValueError(
+                    f"{self.label}: {sorted(self.url_options)} go on the queue URL of the workers "
+                    "already serving it (--queue-url), not on a system spec"
+                )
             self.url = self.queue_url
         self.client = Client(queue=self.url)
         self.startup_s = clock.now()
 
+    def _start_redis(self) -> str:
+        """A private redis-server on a free loopback port, for this pool alone (no AOF)."""
+        import tempfile
+
+        from qworker.backends.redis.server import RedisServer
+
+        self._redis_dir = tempfile.TemporaryDirectory(prefix="qwbench-redis-")
+        self.redis_server = RedisServer(Path(self._redis_dir.name), appendonly=False).start()
+        return str(self.redis_server.url)
+
+    def _stop_redis(self) -> None:
+        if self.redis_server is not None:
+            self.redis_server.stop()
+            self.redis_server = None
+        if self._redis_dir is not None:
+            self._redis_dir.cleanup()
+            self._redis_dir = None
+
     def _start_worker(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.label)
-        log_path = self.log_dir / f"worker-{safe}.log"
-        name = f"bench-{self.run_tag}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.worker_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.worker_threads)
+        started: list[tuple[str, Path]] = []
+        for i in range(self.num_workers):
+            suffix = "" if self.num_workers == 1 else f"-{i}"
+            name = f"bench-{self.run_tag}{suffix}"
+            log_path = self.log_dir / f"worker-{safe}{suffix}.log"
+            self._spawn(name, log_path, env)
+            started.append((name, log_path))
+        deadline = time.monotonic() + self.ready_timeout_s
+        for (name, log_path), process in zip(started, self.processes, strict=True):
+            while f"worker {name} ready" not in log_path.read_text():
+                if process.poll() is not None:
+                    self._stop_worker()
+                    raise RuntimeError(f"the bench's worker exited early:\n{log_path.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    self._stop_worker()
+                    raise TimeoutError(
+                        f"the bench's worker did not start in {self.ready_timeout_s}s; log: {log_path}"
+                    )
+                time.sleep(0.2)
+
+    def _spawn(self, name: str, log_path: Path, env: dict[str, str]) -> None:
         command = [
             sys.executable,
             "-m",
@@ -218,38 +310,29 @@ class QueueClientSystem(System):
             *self.extra_worker_args,
         ]
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-            )
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if f"worker {name} ready" in log_path.read_text():
-                return
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the bench's worker exited early:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        self._stop_worker()
-        raise TimeoutError(f"the bench's worker did not start in {self.ready_timeout_s}s; log: {log_path}")
+            self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
 
     def _stop_worker(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # drain: the worker finishes and exits 0
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)  # drain: the worker finishes and exits 0
+        for process in self.processes:
             try:
-                self.process.wait(timeout=60)
+                process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
+                process.kill()
+                process.wait()
+        self.processes = []
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
             self.client = None
-        spawned = self.process is not None
+        spawned = bool(self.processes)
         self._stop_worker()
-        if spawned and self.url is not None:
+        if self.redis_server is not None:
+            self._stop_redis()  # its keys go with it
+        elif spawned and self.url is not None:
             self._delete_run_keys()
 
     def _delete_run_keys(self) -> None:
@@ -333,7 +416,16 @@ class QueueClientSystem(System):
         queue_wait_s = None
         if timings.started_at is not None and timings.enqueued_at is not None:
             queue_wait_s = timings.started_at - timings.enqueued_at
-        return _Done(record, t, status, error, result.usage.completion_tokens, queue_wait_s)
+        return _Done(
+            record,
+            t,
+            status,
+            error,
+            result.usage.completion_tokens,
+            queue_wait_s,
+            result.usage.prompt_tokens_details.cached_tokens,
+            result.worker,
+        )
 
     def _read(
         self, run: Run, record: RequestRecord, job_id: str, events: queue.Queue[_Chunk | _Done]

@@ -37,6 +37,10 @@ class RequestRecord:
     start_time: float | None = None  # first scheduled / batch start, when the system says
     queue_wait_s: float | None = None  # queue mode: time on the queue before a worker took it
     error: str | None = None
+    # Queue mode, from the stored result: prompt tokens the worker's prefix cache held when the
+    # job was first scheduled (usage.prompt_tokens_details.cached_tokens), and which worker ran it.
+    num_cached_tokens: int | None = None
+    worker: str | None = None
 
     def add_chunk(self, t: float, num_tokens: int = 1) -> None:
         self.chunk_times.append(t)

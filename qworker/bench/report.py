@@ -106,6 +106,73 @@ def throughput_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def pool_base(runs: Sequence[dict[str, Any]], run: dict[str, Any], baseline: str | None) -> dict[str, Any]:
+    """The run a pool run is compared with: the baseline system's run in the same mode and rate,
+    else the first run with pool figures at that rate."""
+    same = [r for r in runs if r["mode"] == run["mode"] and r["rate_label"] == run["rate_label"]]
+    named = next((r for r in same if r["system"] == baseline), None)
+    return named or next(r for r in same if r.get("pool"))
+
+
+def pool_lines(runs: Sequence[dict[str, Any]], baseline: str | None, pkey: str = "p99") -> list[str]:
+    """The pool table (qworker/bench/pool_stats.py): what each queue run's workers computed."""
+    pool_runs = [r for r in runs if r.get("pool")]
+    if not pool_runs:
+        return []
+    rows = []
+    for r in pool_runs:
+        p, s = r["pool"], r["summary"]
+        base = pool_base(runs, r, baseline)
+        per_worker = "; ".join(
+            f"{format_number(100 * w['hit_rate'])}% ({w['completed']})"
+            for w in p["workers"].values()
+            if w["hit_rate"] is not None
+        )
+        rows.append(
+            [
+                r["name"],
+                r["rate_label"],
+                format_number(s["output_throughput"]),
+                format_number(_ratio(s["output_throughput"], base["summary"]["output_throughput"]), 2),
+                f"{p['prompt_tokens_computed']:,}",
+                f"{p['ideal_prompt_tokens_computed']:,}" if p["ideal_prompt_tokens_computed"] else "–",
+                format_number(p["computed_over_ideal"], 2),
+                format_number(100 * p["hit_rate"]) + "%" if p["hit_rate"] is not None else "–",
+                per_worker,
+                _ms_pair(s, "ttft", ["median", pkey]),
+                format_number(s.get(f"{pkey}_queue_wait_ms")),
+            ]
+        )
+    lines = [
+        "",
+        "## Pool",
+        "",
+        "From each job's stored result: `usage.prompt_tokens_details.cached_tokens` (prompt tokens "
+        "its worker's prefix cache held) and `worker`. Computed = prompt tokens - cached tokens, over "
+        "the pool; the ideal is one shared cache that never forgets (each shared run of whole KV "
+        "blocks computed once). Ratios are against the baseline system's run in the same mode, else "
+        "the first run in this table at that rate.",
+        "",
+    ]
+    lines += markdown_table(
+        [
+            "system",
+            "rate",
+            "output tok/s",
+            "÷ base",
+            "prompt tokens computed",
+            "ideal",
+            "computed ÷ ideal",
+            "hit rate (pool)",
+            "hit rate per worker (jobs)",
+            f"TTFT median / {pkey} (ms)",
+            f"queue wait {pkey} (ms)",
+        ],
+        rows,
+    )
+    return lines
+
+
 def _compute_limit_lines(limit: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[str]:
     max_tput = limit["max_output_throughput"]
     lines = [
@@ -474,6 +541,8 @@ def render_report_md(payload: dict[str, Any], plot_files: Sequence[str]) -> str:
                 ],
                 pair_rows,
             )
+
+    lines += pool_lines(runs, meta.get("baseline"), pkeys[-1])
 
     errors = _error_lines(runs)
     lines += ["", "## Failures and timeouts", ""]

@@ -75,9 +75,17 @@ def run_system(
     )
 
 
-def warmup_requests(num_requests: int) -> list[BenchRequest]:
+def warmup_requests(num_requests: int, *, distinct: bool = False) -> list[BenchRequest]:
+    """Short warm-up requests; `distinct`: each prompt its own token id (a pool's requests then
+    get different affinity keys, and so different lanes)."""
     return [
-        BenchRequest(f"warmup-{i}", i, list(WARMUP_PROMPT), WARMUP_OUTPUT_LEN, arrival_s=0.0)
+        BenchRequest(
+            f"warmup-{i}",
+            i,
+            [WARMUP_PROMPT[0] + i] * len(WARMUP_PROMPT) if distinct else list(WARMUP_PROMPT),
+            WARMUP_OUTPUT_LEN,
+            arrival_s=0.0,
+        )
         for i in range(num_requests)
     ]
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from qworker.bench.kv_usage import summarize_kv
 from qworker.bench.metrics import summarize
+from qworker.bench.pool_stats import IDEAL_BLOCK_SIZE, ideal_computed_prompt_tokens, pool_summary
 from qworker.bench.run import RunLimits
 from qworker.bench.run_loop import run_system
 from qworker.bench.system import System
@@ -48,6 +49,10 @@ class RequestSet:
             "max_output_len": max(output_lens),
             "total_output_tokens": sum(output_lens),
             "last_arrival_s": self.requests[-1].arrival_s,
+            "total_prompt_tokens": sum(prompt_lens),
+            # One shared, unbounded prefix cache (qworker/bench/pool_stats.py).
+            "ideal_prompt_tokens_computed": ideal_computed_prompt_tokens(self.requests),
+            "ideal_block_size": IDEAL_BLOCK_SIZE,
         }
 
 
@@ -115,6 +120,7 @@ def run_sweep(
     runs = []
     for request_set in request_sets:
         digest = request_set_digest(request_set.requests)
+        ideal = ideal_computed_prompt_tokens(request_set.requests)
         max_concurrency = request_set.spec.arrival.concurrency_limit
         for system in systems:
             name = run_name(system.label, system.mode)
@@ -141,6 +147,8 @@ def run_sweep(
                     "request_set_sha256": digest,
                     "summary": summary,
                     "kv": kv,
+                    # Queue mode: prompt tokens computed and hit rates, per worker, from the results.
+                    "pool": pool_summary(result.records, ideal),
                     # Recorded per run: an in-process system (vLLM) may change the process's
                     # threads or CPU binding for the systems measured after it.
                     "meta": {**result.meta, **_process_cpu_state()},

@@ -85,6 +85,9 @@ class WorkloadSpec:
     prompt_len: LengthSpec
     output_len: LengthSpec
     shared_prefix_len: int = 0
+    # Distinct prefixes of shared_prefix_len tokens; request i starts with prefix i % num_prefixes
+    # (interleaved: a pool's workers see every prefix unless the queue routes them by affinity).
+    num_prefixes: int = 1
     temperature: float = 0.0
     ignore_eos: bool = True
     seed: int = 0
@@ -244,6 +247,7 @@ def parse_workload(data: dict[str, Any], base_dir: Path | None = None) -> Worklo
             "prompt_len",
             "output_len",
             "shared_prefix_len",
+            "num_prefixes",
             "temperature",
             "ignore_eos",
             "seed",
@@ -261,6 +265,9 @@ def parse_workload(data: dict[str, Any], base_dir: Path | None = None) -> Worklo
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise WorkloadError(f"seed must be a non-negative integer, got {seed!r}")
+    num_prefixes = _positive_int("num_prefixes", data.get("num_prefixes", 1))
+    if num_prefixes > 1 and not data.get("shared_prefix_len"):
+        raise WorkloadError("num_prefixes > 1 needs a shared_prefix_len > 0 (the prefixes' length)")
     return WorkloadSpec(
         name=str(data.get("name", "workload")),
         about=str(data.get("about", "")),
@@ -271,6 +278,7 @@ def parse_workload(data: dict[str, Any], base_dir: Path | None = None) -> Worklo
         shared_prefix_len=_positive_int(
             "shared_prefix_len", data.get("shared_prefix_len", 0), allow_zero=True
         ),
+        num_prefixes=num_prefixes,
         temperature=float(temperature),
         ignore_eos=ignore_eos,
         seed=seed,
@@ -400,7 +408,8 @@ def generate_requests(
     def random_ids(rng: np.random.Generator, length: int) -> list[int]:
         return allowed[rng.integers(0, len(allowed), size=length)].tolist()
 
-    prefix = random_ids(prefix_rng, spec.shared_prefix_len)
+    # The first prefix is the one a single-prefix spec has always drawn; more follow it.
+    prefixes = [random_ids(prefix_rng, spec.shared_prefix_len) for _ in range(spec.num_prefixes)]
 
     prompts: list[list[int]] = []
     if spec.prompt_len.dist == "jsonl":
@@ -430,7 +439,7 @@ def generate_requests(
         BenchRequest(
             request_id=f"{spec.name}-{i:05d}",
             index=i,
-            prompt_token_ids=prefix + prompts[i],
+            prompt_token_ids=prefixes[i % spec.num_prefixes] + prompts[i],
             output_len=int(output_lens[i]),
             arrival_s=float(arrivals[i]),
             temperature=spec.temperature,
