@@ -2,8 +2,9 @@
 jobs sharing a key are pulled by the worker that already holds their prefix (docs/queues.md,
 "Affinity lanes").
 
-Precedence: the job's own `affinity` (an eval task id, a tenant, a system-prompt id), else a key
-derived from the start of its prompt. The producer derives it, and it holds no tokenizer (the
+Precedence: the job's own `affinity` (an eval task id, a tenant, a system-prompt id), else its
+LoRA adapter (`adapter:<name>`: the workers that hold an adapter pull its jobs before others load
+it), else a key derived from the start of its prompt. The producer derives it, and it holds no tokenizer (the
 base install has none), so the derivation hashes text:
 
 - a `prompt`: its first `AFFINITY_PREFIX_CHARS` characters;
@@ -36,6 +37,7 @@ MIN_PREFIX_TOKENS = 16
 # A derived key says what it came from, so that it never equals a key a producer chose.
 _DERIVED_TEXT = "prefix:"
 _DERIVED_TOKENS = "prefix-ids:"
+_ADAPTER = "adapter:"
 
 
 def prompt_start(job: Job) -> str | list[int]:
@@ -73,7 +75,10 @@ def derived_affinity(job: Job) -> str | None:
 
 
 def affinity_key(job: Job) -> str | None:
-    """The job's affinity key: its own, else one derived from its prompt, else None."""
+    """The job's affinity key: its own, else its adapter's, else one derived from its prompt,
+    else None."""
     if job.affinity is not None:
         return job.affinity
+    if job.lora is not None:
+        return _ADAPTER + job.lora
     return derived_affinity(job)

@@ -197,6 +197,13 @@ class Job(BaseModel):
     prompt_token_ids: list[StrictInt] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
     priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)
+    lora: str | None = Field(
+        default=None,
+        strict=True,
+        min_length=1,
+        max_length=256,
+        description="The LoRA adapter to generate with: a name from the worker's adapter list.",
+    )
     affinity: str | None = Field(
         default=None,
         strict=True,

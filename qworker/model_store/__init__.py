@@ -20,13 +20,14 @@ def is_remote_model(model: str) -> bool:
     return model.startswith(REMOTE_SCHEMES)
 
 
-def fetch_model(url: str, models_dir: Path) -> Path:
+def fetch_model(url: str, models_dir: Path, config_name: str = "config.json") -> Path:
     """The local directory holding the complete model at `url`, downloaded into `models_dir` on
-    first use. Raises ConnectError when the store cannot be reached or refuses the credentials,
+    first use (`config_name`: the file it must hold; adapter_config.json for a LoRA adapter).
+    Raises ConnectError when the store cannot be reached or refuses the credentials,
     ModelDownloadError when what it holds is not a usable model."""
     from qworker.model_store.s3 import download_s3_model
 
-    return download_s3_model(url, models_dir)
+    return download_s3_model(url, models_dir, config_name)
 
 
 def remote_model_name(url: str) -> str:

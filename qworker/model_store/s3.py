@@ -111,8 +111,10 @@ def is_complete(target: Path) -> bool:
         return False
 
 
-def download_s3_model(url: str, models_dir: Path) -> Path:
-    """The cache directory holding the complete model at `url` (see the module docstring)."""
+def download_s3_model(url: str, models_dir: Path, config_name: str = "config.json") -> Path:
+    """The cache directory holding the complete model at `url` (see the module docstring).
+    `config_name` is the file a complete directory must hold: a LoRA adapter's is
+    adapter_config.json."""
     from filelock import FileLock, Timeout
 
     location = S3ModelURL.parse(url)
@@ -131,7 +133,7 @@ def download_s3_model(url: str, models_dir: Path) -> Path:
         if is_complete(target):
             logger.info("model %s: downloaded by another process, reusing %s", location, target)
             return target
-        _Download(location, target).run()
+        _Download(location, target, config_name).run()
     finally:
         lock.release()
     return target
@@ -200,9 +202,10 @@ class _Progress:
 class _Download:
     """One download of a model directory into `target`, under the caller's lock."""
 
-    def __init__(self, location: S3ModelURL, target: Path) -> None:
+    def __init__(self, location: S3ModelURL, target: Path, config_name: str = "config.json") -> None:
         self.location = location
         self.target = target
+        self.config_name = config_name
         self.partial_dir = target / PARTIAL_DIR
         self._stop = threading.Event()
         self.client: Any = None
@@ -281,9 +284,9 @@ class _Download:
             logger.info(
                 "model %s: not downloading %s (only safetensors weights are read)", self.location, skipped
             )
-        if not any(o.name == "config.json" for o in objects):
+        if not any(o.name == self.config_name for o in objects):
             raise ModelDownloadError(
-                f"model {self.location}: no config.json directly under the prefix; expected a "
+                f"model {self.location}: no {self.config_name} directly under the prefix; expected a "
                 f"Hugging Face directory (found {len(objects)} other objects)"
             )
         if not any(o.name.endswith(".safetensors") for o in objects):

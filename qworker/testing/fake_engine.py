@@ -23,6 +23,7 @@ from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from qworker.engine.resume import ResumeFrom
 from qworker.engine.sampling_params import SamplingParams
 from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError, ResumeRefusedError
+from qworker.lora.request import LoRARequest
 from qworker.utils import cdiv
 
 VOCAB_SIZE = 256
@@ -94,6 +95,8 @@ class FakeEngine:
         self.failing_steps: dict[int, list[str] | None] = {}
         self.num_steps = 0
         self.added: list[str] = []
+        # request id -> the LoRA adapter it was added with (None: the base model).
+        self.adapters: dict[str, LoRARequest | None] = {}
         self.aborted: list[str] = []
         self._waiting: list[_FakeRequest] = []
         self._running: list[_FakeRequest] = []
@@ -121,10 +124,12 @@ class FakeEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """As LLMEngine.add_request. With `resume`, the request continues its script after the
         given tokens, which must be the script's first ones (else ResumeRefusedError), and fewer
-        than max_tokens."""
+        than max_tokens. `lora_request` is recorded in `adapters` (the script does not change)."""
+        self.adapters[request_id] = lora_request
         if any(r.request_id == request_id for r in (*self._waiting, *self._running)):
             raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
         token_ids = list(prompt["prompt_token_ids"])

@@ -15,6 +15,7 @@ from qworker.engine.block_pool import KVCacheStats
 from qworker.engine.outputs import RequestOutput, StepOutput
 from qworker.engine.resume import ResumeFrom
 from qworker.engine.sampling_params import SamplingParams
+from qworker.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from qworker.engine.llm_engine import LLMEngine
@@ -58,8 +59,10 @@ class EngineProtocol(Protocol):
         priority: int = 0,
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request; `prompt` is {"prompt_token_ids": [...], "prompt"?: text}.
+        """Queue a request; `prompt` is {"prompt_token_ids": [...], "prompt"?: text}. With
+        `lora_request`, it runs with that LoRA adapter.
 
         Raises an InvalidRequestError subclass for input that can never run (too long, ids
         outside the vocabulary). With `resume`, the request continues from output tokens an

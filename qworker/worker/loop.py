@@ -22,9 +22,11 @@ import time
 
 from qworker.backends.sink import Delta, ResultSink
 from qworker.backends.source import JobSource, Lease
+from qworker.envs import cache_dir
 from qworker.errors import EngineFailedError, EngineStepError
 from qworker.health import HealthState
 from qworker.jobs.job import JobError, JobStatus
+from qworker.worker.adapters import AdapterList, parse_lora_modules
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats
 from qworker.worker.broker_calls import BrokerCalls
 from qworker.worker.drain import Drain
@@ -37,6 +39,7 @@ from qworker.worker.outbox import Outbox
 from qworker.worker.retry import BrokerOutage, BrokerOutageError
 from qworker.worker.run_beside import run_beside
 from qworker.worker.settings import WorkerSettings
+from qworker.worker.report import ReportFiller
 from qworker.worker.stats import WorkerStats
 from qworker.worker.take import Taker
 from qworker.worker.timers import Timers
@@ -74,6 +77,7 @@ class Worker:
             max_jobs_held=engine.config.max_num_seqs + self.settings.max_backlog,
         )
         self.stats = WorkerStats()
+        self._report = ReportFiller(self.settings.stats_interval_s)  # the dashboard's fields
         self.metrics = metrics or WorkerMetrics()
         self.health = health or HealthState()
         self.held = HeldJobs(engine)
@@ -103,6 +107,9 @@ class Worker:
             admission=self.admission,
             metrics=self.metrics,
             log_payloads=self.settings.log_payloads,
+            adapters=AdapterList(
+                parse_lora_modules(self.settings.lora_modules), self.settings.lora_dir, cache_dir()
+            ),
         )
         # Leased messages not yet taken (the broker went away while taking them).
         self._intake: list[Lease] = []
@@ -359,6 +366,7 @@ class Worker:
         )  # fmt: skip
         self.stats.num_broker_outages = self.outage.num_outages
         self.stats.num_deltas_dropped = self.outbox.num_deltas_dropped
+        self._report.fill(self.stats, admission, self.engine, self.metrics.registry)
         self.broker.make("writing worker stats", lambda: self.sink.write_worker_stats(self.name, self.stats))
         self.metrics.set_admission_gauges(self.engine.kv_stats(), admission)
 

@@ -89,6 +89,20 @@ class WorkerSettings:
             "with backoff) before it exits (code 5)"
         },
     )
+    lora_modules: str | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA adapters jobs may name, as name=path,name=path (a local directory or an "
+            "s3:// prefix each; the engine needs --enable-lora; docs/lora.md)"
+        },
+    )
+    lora_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "A directory or s3:// prefix of LoRA adapters, one per subdirectory, found by "
+            "name when a job first names one (docs/lora.md)"
+        },
+    )
     # Off by default: a port is something an operator chooses (and opens) on purpose.
     metrics_port: int | None = field(
         default=None,

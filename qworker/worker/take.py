@@ -17,7 +17,9 @@ from qworker.backends.source import JobSource, Lease
 from qworker.engine.resume import ResumeFrom
 from qworker.errors import InvalidRequestError, ResumeRefusedError
 from qworker.jobs.job import Job, JobStatus, resolve_job_id
+from qworker.lora.request import LoRARequest
 from qworker.worker import intake
+from qworker.worker.adapters import AdapterList
 from qworker.worker.admission import AdmissionPolicy
 from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.finish import Finisher
@@ -43,6 +45,7 @@ class Taker:
     admission: AdmissionPolicy
     metrics: WorkerMetrics
     log_payloads: bool
+    adapters: AdapterList = field(default_factory=AdapterList)
     # Written for each job as it enters the engine (one round trip per pull, pop_attempt_notes):
     # read back only if the attempt never ends here, to say why the job is later dead-lettered.
     _attempt_notes: dict[str, str] = field(default_factory=dict, init=False)
@@ -118,8 +121,11 @@ class Taker:
         progress = self.sink.read_progress(job_id) if lease.delivery_count > 1 else None
         resume_point: ResumePoint | None = None
         try:
+            lora_request = self.adapters.resolve(job.lora) if job.lora is not None else None
             prompt = intake.prepare_prompt(self.engine, job)
-            resume_point = self._add_request(job_id, job, prompt, lease.enqueued_at or now, progress)
+            resume_point = self._add_request(
+                job_id, job, prompt, lease.enqueued_at or now, progress, lora_request
+            )
         except Exception as exc:
             if not isinstance(exc, InvalidRequestError):  # PromptTooLongError included
                 # The traceback may quote the input: only with payload logging on.
@@ -144,7 +150,13 @@ class Taker:
         self.admission.observe_prompt(num_prompt_tokens, self.engine.num_cached_prefix_tokens(job_id))
 
     def _add_request(
-        self, job_id: str, job: Job, prompt: dict[str, Any], arrival_time: float, progress: Progress | None
+        self,
+        job_id: str,
+        job: Job,
+        prompt: dict[str, Any],
+        arrival_time: float,
+        progress: Progress | None,
+        lora_request: LoRARequest | None,
     ) -> ResumePoint | None:
         """Hand the job to the engine, resuming from `progress` when there is some and the engine
         can continue from it; else from zero, with a warning when stored tokens were refused.
@@ -161,6 +173,7 @@ class Taker:
                         priority=job.priority,
                         arrival_time=arrival_time,
                         resume=resume,
+                        lora_request=lora_request,
                     )
                 except ResumeRefusedError as exc:
                     problem = str(exc)
@@ -173,5 +186,12 @@ class Taker:
                 "job %s restarts from zero: its stored tokens cannot be resumed: %s", job_id, problem
             )
             self.metrics.observe_resume(None)
-        self.engine.add_request(job_id, prompt, job.params, priority=job.priority, arrival_time=arrival_time)
+        self.engine.add_request(
+            job_id,
+            prompt,
+            job.params,
+            priority=job.priority,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+        )
         return None
