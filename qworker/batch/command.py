@@ -157,6 +157,7 @@ def _run_pool(
     from qworker.jobs.client import Client
     from qworker.openai.batches.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
     from qworker.openai.batches.submitted import open_submitted
+    from qworker.pool.batch_board import BatchBoard
 
     assert run.queue is not None, "pool mode needs a queue"
     with Client(queue=run.queue, results=run.results) as client:
@@ -174,11 +175,20 @@ def _run_pool(
             default_max_tokens=engine_config.max_model_len or DEFAULT_POOL_MAX_TOKENS,
             max_pending=run.max_pending,
         )
+        # The dashboard's record of this batch, in the result store (qworker/pool/batch_board.py).
+        board = BatchBoard.of_sink(client.sink, batch_id, source="cli")
+        if board is not None:
+            board.start_run(total=summary.num_input_rows, done_before=summary.num_already_done)
+            output.listeners.append(board.observe_line)
+        status = "failed"
         try:
             runner.run(rows)
+            status = "completed"
         finally:
             progress.close()
             summary.num_enqueued = runner.num_enqueued
+            if board is not None:
+                board.set_status(status)
 
 
 def _redacted(url: str) -> str:

@@ -17,6 +17,7 @@ from qworker import __version__
 from qworker.gateway.async_api.routes import batches, files, jobs
 from qworker.gateway.auth import ApiKeyMiddleware
 from qworker.gateway.backpressure import DemandGate
+from qworker.gateway.dashboard import DashboardSettings, install_dashboard
 from qworker.gateway.errors import install_error_handlers
 from qworker.gateway.limits import BodyLimitMiddleware
 from qworker.gateway.metrics import GatewayMetrics, MetricsMiddleware
@@ -69,6 +70,7 @@ def create_app(
     stream_results: str | None = None,
     api_keys: frozenset[str] = frozenset(),
     routers: Sequence[APIRouter] = DEFAULT_ROUTERS,
+    dashboard: DashboardSettings | None = None,
 ) -> FastAPI:
     """The app for the pool behind `queue` (URLs as `qworker worker` takes them). With `api_keys`,
     every route but /healthz and /readyz needs one. Connects lazily: no worker, and no request,
@@ -84,9 +86,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.gate.start()
         async_api.start()  # issue 23
+        dashboard_service.start()  # issue 42
         try:
             yield
         finally:
+            dashboard_service.close()  # issue 42
             async_api.close()  # issue 23
             state.gate.close()
             state.pool.close()
@@ -106,6 +110,8 @@ def create_app(
     # --
     for router in routers:
         app.include_router(router)
+    # issue 42: the pool's dashboard at /dashboard (gateway/dashboard/), behind the same keys.
+    dashboard_service = install_dashboard(app, queue, state.pool.client.sink, dashboard)
     install_error_handlers(app)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(

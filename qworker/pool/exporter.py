@@ -176,6 +176,12 @@ def run_metrics_exporter(
     metrics = PoolMetrics()
     state = HealthState(stall_timeout_s=max(60.0, 6 * interval_s))
     reader = open_pool_demand_reader(queue_url, sizing, stats_url=stats_url)
+    # issue 42: dead letters, oldest waiting job, batches, and the dashboard's history samples.
+    board = None
+    if reader.stats_redis is not None:
+        from qworker.pool.board_metrics import open_board_metrics
+
+        board = open_board_metrics(metrics.registry, queue_url, reader.stats_redis, reader.stats_prefix)
     logger.info(
         "pool-demand exporter: queue %s, %s blocks per worker, target utilisation %.2f",
         redact_url(queue_url),
@@ -196,6 +202,10 @@ def run_metrics_exporter(
                 else:
                     metrics.update(demand, reader.num_workers)
                     state.set_ready(True)
+                    if board is not None:
+                        board.safe_update()
                 stop.wait(interval_s)
         finally:
             reader.close()
+            if board is not None:
+                board.observer.close()

@@ -36,10 +36,10 @@ from qworker.worker.held import HeldJobs, leases_of
 from qworker.worker.lease_keeper import StepLeaseKeeper
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox
+from qworker.worker.report import ReportFiller
 from qworker.worker.retry import BrokerOutage, BrokerOutageError
 from qworker.worker.run_beside import run_beside
 from qworker.worker.settings import WorkerSettings
-from qworker.worker.report import ReportFiller
 from qworker.worker.stats import WorkerStats
 from qworker.worker.take import Taker
 from qworker.worker.timers import Timers

@@ -36,6 +36,21 @@ class WorkerStats:
     # Set once at start (qworker/startup.py): the device and KV pool, and the time to ready.
     hardware: HardwareInfo | None = None
     startup: StartupTimings | None = None
+    # What the dashboard shows (issue 42), set at each write by report.py: when this report was
+    # written and how often one is, who wrote it, its requests and its output rate.
+    reported_at: float | None = None
+    report_interval_s: float | None = None
+    host: str | None = None
+    pid: int | None = None
+    started_at: float | None = None
+    model: str | None = None
+    quantization: str | None = None
+    adapters: list[str] | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    num_generated_tokens: int = 0
+    # Output tokens per second over the last minute (report.RATE_WINDOW_S).
+    output_tokens_per_s: float | None = None
 
     def count_result(self, status: JobStatus) -> None:
         counter = RESULT_COUNTERS[status]

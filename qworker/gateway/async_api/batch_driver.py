@@ -49,6 +49,7 @@ from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
 from qworker.openai.batches.submitted import open_submitted
 from qworker.openai.batches.validate import BatchFileError, check_input
 from qworker.openai.rows import prepare_rows
+from qworker.pool.batch_board import BatchBoard
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class BatchDriver:
         self._driving: dict[str, threading.Thread] = {}
         self._closing = threading.Event()
         self._scanner: threading.Thread | None = None
+        # The dashboard's record of each batch driven here (qworker/pool/batch_board.py).
+        self._boards: dict[str, BatchBoard] = {}
 
     def start(self) -> None:
         self._scanner = threading.Thread(target=self._scan_loop, name="batch-scanner", daemon=True)
@@ -135,6 +138,31 @@ class BatchDriver:
 
     def _save(self, batch: dict[str, Any], owner: str) -> None:
         self.records.put(BATCH_KIND, batch["id"], {"owner": owner, "batch": batch})
+        self._sync_board(batch)
+
+    def _board(self, batch: dict[str, Any]) -> BatchBoard:
+        board = self._boards.get(batch["id"])
+        if board is None:
+            prefix = self.records.prefix.removesuffix(":gw")
+            board = BatchBoard.open(self.records.redis, prefix, batch["id"], source="api")
+            board.state["created_at"] = batch.get("created_at") or board.state["created_at"]
+            self._boards[batch["id"]] = board
+        return board
+
+    def _sync_board(self, batch: dict[str, Any]) -> None:
+        """The batch object's status and counts on its board (a failure only logs: the board is
+        for operators, the batch object is what clients read)."""
+        try:
+            board = self._board(batch)
+            counts = batch["request_counts"]
+            board.set_counts(
+                total=counts["total"] or None, completed=counts["completed"], failed=counts["failed"]
+            )
+            board.set_status(batch["status"], endpoint=batch.get("endpoint"))
+            if is_terminal(batch):
+                self._boards.pop(batch["id"], None)
+        except Exception:
+            logger.warning("batch %s: could not update its dashboard record", batch.get("id"), exc_info=True)
 
     def _drive(self, batch_id: str) -> None:
         with self.leases.held(BATCH_KIND, batch_id) as lost:
@@ -276,6 +304,7 @@ class BatchDriver:
         batch_id = batch["id"]
         output_file, errors_file = self._parts(batch_id)
         output = BatchOutput(output_file, errors_file)
+        output.listeners.append(self._board(batch).observe_line)
         ok_ids = output_file.load(resume=True)
         failed_ids = errors_file.load(resume=True)
         done = ok_ids | failed_ids

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from io import BufferedWriter
 from pathlib import Path
 from typing import Protocol
@@ -137,6 +138,8 @@ class BatchOutput:
     def __init__(self, output: LineSink, errors: LineSink | None) -> None:
         self.output = output
         self.errors = errors
+        # Called with each line once written: the dashboard's batch board (qworker/pool/batch_board.py).
+        self.listeners: list[Callable[[BatchOutputLine], None]] = []
 
     @property
     def files(self) -> list[LineSink]:
@@ -154,6 +157,8 @@ class BatchOutput:
 
     def write(self, line: BatchOutputLine) -> None:
         (self.errors if self.errors is not None and line.is_error else self.output).write(line)
+        for listener in self.listeners:
+            listener(line)
 
     def close(self) -> None:
         for file in self.files:
