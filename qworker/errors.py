@@ -11,6 +11,14 @@ class InvalidRequestError(QworkerError, ValueError):
     """A request (prompt or sampling parameters) that can never be served as given."""
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A job or row names a LoRA adapter that is not served here (the message lists those that are)."""
+
+
+class AdapterSettingsError(QworkerError, ValueError):
+    """--lora-modules or --lora-dir cannot be read."""
+
+
 class InvalidParamsError(InvalidRequestError):
     """A sampling parameter outside its allowed range."""
 

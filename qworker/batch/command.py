@@ -18,6 +18,7 @@ import typer
 
 from qworker.cli_options import engine_options
 from qworker.config import EngineConfig
+from qworker.lora.modules import parse_lora_modules
 from qworker.openai.batches.output import BatchOutput, OutputFile, state_path
 from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
 from qworker.openai.rows import RowFailure, RowRequest, prepare_rows
@@ -44,6 +45,9 @@ class BatchRun:
     resume: bool = True
     # Names rows may give as body.model (none: the --model value).
     served_model_names: list[str] = field(default_factory=list)
+    # LoRA adapters rows may name as body.model: name=path,... (local mode loads the paths; pool
+    # mode needs the names only, the workers hold the adapters).
+    lora_modules: str | None = None
     # None: from the input's content, so that the same file is the same batch.
     batch_id: str | None = None
     max_pending: int = 10_000
@@ -104,6 +108,7 @@ def run_batch(run: BatchRun, engine_config: EngineConfig, engine: LLMEngine | No
         (row for row in iter_rows(input_location) if row.custom_id not in done),
         batch_id=batch_id,
         served_model_names=served,
+        adapter_names=list(parse_lora_modules(run.lora_modules)),
     )
     journal_path = state_path(work_dir, output_location, f"{batch_id}.submitted")
     output.open()
@@ -135,11 +140,14 @@ def _run_local(
     rows: Iterator[RowRequest | RowFailure],
 ) -> None:
     from qworker.batch.local import LocalRunner
+    from qworker.lora.adapter_list import AdapterList
 
     # Made after the model loaded: the progress and the throughput count the run alone.
     progress = Progress(summary, run.progress, run.progress_interval_s)
     try:
-        LocalRunner(engine, output, progress).run(rows)
+        LocalRunner(engine, output, progress, adapters=AdapterList(parse_lora_modules(run.lora_modules))).run(
+            rows
+        )
     finally:
         progress.close()
 
@@ -236,6 +244,13 @@ def batch(
             metavar="NAME", help="A name rows may give as body.model; repeatable (none: the --model value)"
         ),
     ] = None,
+    lora_modules: Annotated[
+        str | None,
+        typer.Option(
+            help="LoRA adapters rows may name as body.model, name=path,... (pool mode: names alone will "
+            "do; local mode needs --enable-lora; docs/lora.md)"
+        ),
+    ] = None,
     batch_id: Annotated[
         str | None,
         typer.Option(help="Names the batch's jobs in pool mode (none: from a hash of the input's content)"),
@@ -275,6 +290,7 @@ def batch(
         results=results,
         resume=resume,
         served_model_names=list(served_model_name or []),
+        lora_modules=lora_modules,
         batch_id=batch_id,
         max_pending=max_pending,
         work_dir=work_dir,

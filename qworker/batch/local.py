@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from qworker.errors import InvalidRequestError, PromptTooLongError
+from qworker.lora.adapter_list import AdapterList
 from qworker.openai.batches.output import BatchOutput
 from qworker.openai.batches.progress import Progress
 from qworker.openai.bodies import Generation, response_body
@@ -28,9 +29,16 @@ class LocalRunner:
     """Feeds rows to `engine` and writes each one's line to `output` when it finishes."""
 
     def __init__(
-        self, engine: LLMEngine, output: BatchOutput, progress: Progress, max_in_flight: int | None = None
+        self,
+        engine: LLMEngine,
+        output: BatchOutput,
+        progress: Progress,
+        max_in_flight: int | None = None,
+        adapters: AdapterList | None = None,
     ) -> None:
         self.engine = engine
+        # The LoRA adapters rows may name as their model (docs/lora.md).
+        self.adapters = adapters or AdapterList()
         self.output = output
         self.progress = progress
         self.max_in_flight = max_in_flight or 2 * engine.config.max_num_seqs
@@ -70,7 +78,11 @@ class LocalRunner:
         if self.engine.tokenizer is None:
             raise RowError("this model has no tokenizer: give the prompt as a list of token ids")
         if row.messages is not None:
-            return {"prompt_token_ids": self.engine.apply_chat_template(row.messages)}
+            return {
+                "prompt_token_ids": self.engine.apply_chat_template(
+                    row.messages, tools=row.tools, chat_template_kwargs=row.chat_template_kwargs
+                )
+            }
         assert row.prompt is not None, "a completions row has a prompt"
         text, token_ids = self.engine.tokenize(row.prompt)
         return {"prompt": text, "prompt_token_ids": token_ids}
@@ -80,7 +92,10 @@ class LocalRunner:
             prompt = self._prompt(row)
             # No limit given (chat): up to the end of the context, as vLLM does.
             max_tokens = row.max_tokens or max(1, self.engine.max_model_len - len(prompt["prompt_token_ids"]))
-            self.engine.add_request(row.request_id, prompt, row.sampling_params(max_tokens))
+            lora_request = self.adapters.resolve(row.lora) if row.lora is not None else None
+            self.engine.add_request(
+                row.request_id, prompt, row.sampling_params(max_tokens), lora_request=lora_request
+            )
         except RowError as exc:
             self._fail(row.custom_id, row.request_id, exc)
         except PromptTooLongError as exc:

@@ -20,6 +20,7 @@ from qworker.jobs.job import MAX_JOB_BYTES, MAX_PRIORITY, MIN_PRIORITY, Job, enc
 from qworker.openai.batches.pool import job_for
 from qworker.openai.format import CHAT_URL, COMPLETIONS_URL, RowError
 from qworker.openai.rows import Endpoint, RowRequest, parse_row
+from qworker.openai.tool_parsers import parser_for_template
 from qworker.pool.demand import MESSAGE_OVERHEAD_TOKENS, job_blocks
 
 # Prompts in one completions body: each becomes a job.
@@ -116,7 +117,9 @@ def count_prompt_tokens(row: RowRequest, tokenizer: GatewayTokenizer | None) -> 
     if tokenizer is not None:
         if row.messages is not None and tokenizer.chat_template:
             try:
-                text = tokenizer.render_chat(row.messages)
+                text = tokenizer.render_chat(
+                    row.messages, tools=row.tools, chat_template_kwargs=row.chat_template_kwargs
+                )
             except ChatTemplateError as exc:
                 # The worker would fail the job the same way: say so now.
                 raise GatewayError(400, str(exc), param="messages") from None
@@ -150,6 +153,15 @@ def _check_context(row: RowRequest, num_prompt_tokens: int, max_model_len: int |
         )
 
 
+def tool_call_parser(settings: GatewaySettings, tokenizer: GatewayTokenizer | None) -> str | None:
+    """--tool-call-parser, else the one the chat template of the gateway's tokenizer asks for
+    (hermes while no tokenizer is found yet: the format of the system message written for
+    templates that render no tools); None where the template is ambiguous."""
+    if settings.tool_call_parser is not None:
+        return settings.tool_call_parser
+    return parser_for_template(tokenizer.chat_template if tokenizer is not None else None)
+
+
 def prepare(
     body: Any, endpoint: Endpoint, settings: GatewaySettings, tokenizer: GatewayTokenizer | None
 ) -> PreparedRequest:
@@ -174,7 +186,10 @@ def prepare(
                 row_body,
                 batch_id=request_id,
                 served_model_names=[settings.model],
+                adapter_names=settings.adapter_names,
                 echo_token_prompts=tokenizer is not None,
+                tool_call_parser=tool_call_parser(settings, tokenizer),
+                reasoning_parser=settings.reasoning_parser,
             )
             job = job_for(row, settings.default_max_tokens)
         except RowError as exc:

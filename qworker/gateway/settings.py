@@ -55,6 +55,13 @@ class GatewaySettings:
             "need exceed this (none: off)"
         },
     )
+    lora_modules: str | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA adapters the workers serve, as the workers' name=path,... or names alone: "
+            "each is a model name requests may use, listed in /v1/models with --model as its parent"
+        },
+    )
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block: the workers' --block-size"})
     demand_interval_s: float = field(
         default=1.0, metadata={"help": "Seconds between readings of the queue's waiting demand"}
@@ -84,6 +91,21 @@ class GatewaySettings:
     default_max_tokens: int = field(
         default=4096,
         metadata={"help": "max_tokens of a chat request that gives none (capped by the context)"},
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": 'What reads tool calls under tool_choice "auto": hermes, llama3_json or mistral '
+            "(none: the one the model's chat template asks for; hermes for a template that renders "
+            "no tools)"
+        },
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split <think> reasoning off chat outputs into reasoning_content: qwen3 or "
+            "deepseek_r1 (none: off)"
+        },
     )
 
     # -- Files, Batches and async jobs (issue 23: file_store.py, batch_driver.py, webhooks.py) --
@@ -148,7 +170,22 @@ class GatewaySettings:
         default=60.0, metadata={"help": "Cap of the wait between deliveries"}
     )
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters served as model names, in --lora-modules order."""
+        from qworker.lora.modules import parse_lora_modules
+
+        return list(parse_lora_modules(self.lora_modules))
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every model name requests may use: the base model, then its adapters."""
+        return [self.model, *(name for name in self.adapter_names if name != self.model)]
+
     def __post_init__(self) -> None:
+        from qworker.lora.modules import parse_lora_modules
+
+        parse_lora_modules(self.lora_modules)  # AdapterSettingsError (a ValueError) names the entry
         positive = {
             "port": self.port,
             "request_timeout_s": self.request_timeout_s,
@@ -183,3 +220,11 @@ class GatewaySettings:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not self.model:
             raise ValueError("model must be a non-empty name")
+        from qworker.openai.reasoning import check_reasoning_parser
+        from qworker.openai.tool_parsers import AUTO_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in AUTO_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(AUTO_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        check_reasoning_parser(self.reasoning_parser)

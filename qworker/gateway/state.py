@@ -61,10 +61,11 @@ def gateway_state(request: Request) -> GatewayState:
 
 def check_model(state: GatewayState, model: object) -> None:
     """404 for a model this gateway does not serve (None: the default)."""
-    if model is not None and model != state.settings.model:
+    served = state.settings.served_model_names
+    if model is not None and model not in served:
         raise GatewayError(
             404,
-            f"the model {model!r} does not exist; this gateway serves {state.settings.model!r}",
+            f"the model {model!r} does not exist; this gateway serves {', '.join(map(repr, served))}",
             code="model_not_found",
             param="model",
         )

@@ -16,10 +16,12 @@ from typing import Any
 
 from qworker.engine.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 from qworker.errors import InvalidParamsError
-from qworker.jobs.job import MAX_PROMPT_CHARS, affinity_problem
+from qworker.jobs.job import MAX_PROMPT_CHARS, affinity_problem, chat_template_kwargs_problem
 from qworker.openai.batches.files import InputRow
+from qworker.openai.chat_output import OutputParsing
 from qworker.openai.format import CHAT_URL, COMPLETIONS_URL, SUPPORTED_URLS, RowError
-from qworker.openai.structured_fields import ForcedTool, output_constraint, tools_system_message
+from qworker.openai.structured_fields import ForcedTool, output_constraint
+from qworker.openai.tool_parsers import HERMES, MISTRAL
 
 # Row ids are uuid5(BATCH_NAMESPACE, "{batch_id}/{custom_id}"): the same row of the same batch is
 # the same job on every run, so that a rerun finds what an earlier run stored.
@@ -51,7 +53,16 @@ PASSTHROUGH_FIELDS = (
     "skip_special_tokens",
 )
 CHAT_FIELDS = frozenset(
-    {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
+    {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+    }
 )
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "logprobs"})
 # response_format and structured_outputs: structured_fields.py.
@@ -77,7 +88,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
@@ -130,6 +140,13 @@ class RowRequest:
     is_scoring_only: bool = False
     # The job's affinity key (qworker/jobs/affinity.py); None: derived from the prompt.
     affinity: str | None = None
+    # Chat: the tools shown to the model (the job's `tools`) and the template's own variables.
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Chat: what the output is read for (reasoning, tool calls: openai/chat_output.py).
+    output_parsing: OutputParsing = field(default_factory=OutputParsing)
+    # The LoRA adapter the row's `model` names; None: the base model.
+    lora: str | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(**self.sampling, max_tokens=max_tokens)
@@ -375,9 +392,16 @@ def parse_row(
     batch_id: str,
     served_model_names: Collection[str],
     echo_token_prompts: bool = False,
+    adapter_names: Collection[str] = (),
+    tool_call_parser: str | None = HERMES,
+    reasoning_parser: str | None = None,
 ) -> RowRequest:
     """The row as a request, or RowError saying why it cannot run. `echo_token_prompts`: the
-    caller can echo a token-id prompt (it has a tokenizer to decode it: the gateway)."""
+    caller can echo a token-id prompt (it has a tokenizer to decode it: the gateway).
+    `adapter_names`: LoRA adapters served as model names beside `served_model_names` (a row
+    whose `model` is one runs with that adapter). `tool_call_parser`: what reads calls under
+    tool_choice "auto" (None: "auto" is refused); `reasoning_parser`: what splits reasoning off a
+    chat output (openai/reasoning.py; None: nothing is)."""
     if url not in SUPPORTED_URLS:
         raise RowError(
             f"url {url!r} is not supported; use {' or '.join(SUPPORTED_URLS)}",
@@ -388,7 +412,7 @@ def parse_row(
     if not isinstance(body, dict):
         raise RowError("body must be a JSON object", param="body")
     model = body.get("model")
-    names = list(served_model_names)
+    names = [*served_model_names, *(a for a in adapter_names if a not in served_model_names)]
     if model is None:
         model = names[0]
     elif model not in names:
@@ -424,11 +448,22 @@ def parse_row(
         if echo and not isinstance(prompt, str) and not echo_token_prompts:
             raise RowError("echo needs a text prompt", param="echo")
     mapped = sampling_kwargs(body, endpoint, echo)
-    constraint = output_constraint(body)
+    constraint = output_constraint(body, tool_call_parser)
     if constraint.structured_outputs is not None:
         mapped.sampling["structured_outputs"] = constraint.structured_outputs
-    if constraint.tools and messages is not None:
-        messages = [tools_system_message(constraint.tools), *messages]
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is not None:
+        problem = (
+            chat_template_kwargs_problem(template_kwargs)
+            if isinstance(template_kwargs, dict)
+            else "chat_template_kwargs must be an object"
+        )
+        if problem is not None:
+            raise RowError(problem, param="chat_template_kwargs")
+    tool_calling = constraint.tool_calling if messages is not None else None
+    if tool_calling is not None and tool_calling.parser == MISTRAL and body.get("skip_special_tokens") is None:
+        # [TOOL_CALLS] is a special token: kept in the text so that the parser sees it.
+        mapped.sampling["skip_special_tokens"] = False
     try:
         # The value checks, now: a bad temperature fails this row before it reaches an engine.
         SamplingParams(**mapped.sampling, max_tokens=mapped.max_tokens or MAX_TOKENS_LIMIT)
@@ -451,6 +486,10 @@ def parse_row(
         forced_tool=constraint.forced_tool,
         is_scoring_only=mapped.is_scoring_only,
         affinity=affinity,
+        tools=constraint.tools if messages is not None else None,
+        chat_template_kwargs=template_kwargs,
+        output_parsing=OutputParsing(tool_calling, reasoning_parser if messages is not None else None),
+        lora=model if model in adapter_names and model not in served_model_names else None,
     )
 
 
@@ -464,13 +503,22 @@ class RowFailure:
 
 
 def prepare_rows(
-    rows: Iterable[InputRow], *, batch_id: str, served_model_names: Collection[str]
+    rows: Iterable[InputRow],
+    *,
+    batch_id: str,
+    served_model_names: Collection[str],
+    adapter_names: Collection[str] = (),
 ) -> Iterator[RowRequest | RowFailure]:
     """Each input row as a request, or as the failure its error line reports."""
     for row in rows:
         try:
             yield parse_row(
-                row.custom_id, row.url, row.body, batch_id=batch_id, served_model_names=served_model_names
+                row.custom_id,
+                row.url,
+                row.body,
+                batch_id=batch_id,
+                served_model_names=served_model_names,
+                adapter_names=adapter_names,
             )
         except RowError as exc:
             yield RowFailure(row.custom_id, request_id_for(batch_id, row.custom_id), exc)

@@ -126,3 +126,8 @@ class WorkerSettings:
             raise ValueError(f"broker_outage_s must be > 0, got {self.broker_outage_s}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        from qworker.lora.modules import parse_lora_modules
+
+        unplaced = [name for name, path in parse_lora_modules(self.lora_modules).items() if not path]
+        if unplaced:
+            raise ValueError(f"lora_modules: a worker needs name=path, got no path for {', '.join(unplaced)}")

@@ -17,9 +17,9 @@ from qworker.backends.source import JobSource, Lease
 from qworker.engine.resume import ResumeFrom
 from qworker.errors import InvalidRequestError, ResumeRefusedError
 from qworker.jobs.job import Job, JobStatus, resolve_job_id
+from qworker.lora.adapter_list import AdapterList
 from qworker.lora.request import LoRARequest
 from qworker.worker import intake
-from qworker.worker.adapters import AdapterList
 from qworker.worker.admission import AdmissionPolicy
 from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.finish import Finisher

@@ -398,6 +398,16 @@ def test_rows_become_jobs_and_results_become_lines():
     assert job.id == chat.request_id and job.messages[0].content == "Hi" and job.params.max_tokens == 3
     assert job.metadata == {"custom_id": "r1"} and job.affinity is None
     assert job_for(parse(chat_body(affinity="task-3")), 100).affinity == "task-3"
+    adapter_row = parse_row(
+        "r2",
+        CHAT,
+        chat_body(model="tuned"),
+        batch_id="b1",
+        served_model_names=SERVED,
+        adapter_names=["tuned"],
+    )
+    assert (adapter_row.model, job_for(adapter_row, 100).lora) == ("tuned", "tuned")
+    assert job_for(parse(chat_body()), 100).lora is None
     assert job_for(parse(chat_body()), default_max_tokens=100).params.max_tokens == 100
     assert job_for(parse({"prompt": [4, 5]}, COMPLETIONS), 100).prompt_token_ids == [4, 5]
     assert job_for(parse({"prompt": "x"}, COMPLETIONS), 100).prompt == "x"

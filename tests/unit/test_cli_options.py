@@ -30,7 +30,14 @@ CONFIG_CLASSES = (EngineConfig, WorkerSettings)
 # Options of `qworker worker` that are not config fields (kept by name for docs, infra and tests).
 RUN_OPTIONS = ("--queue", "--results", "--stream-results", "--lease-timeout-s", "--burst", "--log-level")
 # Fields whose other value must be one the dataclass accepts.
-OTHER_VALUES = {"attention_backend": "torch", "dtype": "float16", "gpu_memory_utilization": 0.5}
+OTHER_VALUES = {
+    "attention_backend": "torch",
+    "dtype": "float16",
+    "gpu_memory_utilization": 0.5,
+    # At least max_loras (1 + 3 = 4), as EngineConfig requires.
+    "max_cpu_loras": 8,
+    "lora_modules": "tuned=/adapters/tuned",
+}
 
 
 def flag(name: str) -> str:

@@ -10,10 +10,12 @@ import pytest
 
 from qworker.backends.memory.queue import MemoryQueue, MemorySource
 from qworker.backends.memory.results import MemoryResultSink
+from qworker.errors import AdapterSettingsError, UnknownAdapterError
 from qworker.jobs.affinity import affinity_key
 from qworker.jobs.job import Job, JobStatus
+from qworker.lora.adapter_list import AdapterList
+from qworker.lora.modules import parse_lora_modules
 from qworker.testing.fake_engine import FakeEngine
-from qworker.worker.adapters import AdapterList, AdapterSettingsError, UnknownAdapterError, parse_lora_modules
 from qworker.worker.loop import Worker
 from qworker.worker.settings import WorkerSettings
 
@@ -30,8 +32,10 @@ def adapter_dir(root, name: str):
 def test_lora_modules_parse_and_bad_entries_name_themselves():
     assert parse_lora_modules(" a=/x , b=s3://bucket/b ") == {"a": "/x", "b": "s3://bucket/b"}
     assert parse_lora_modules(None) == {} and parse_lora_modules("") == {}
+    assert parse_lora_modules("a,b") == {"a": "", "b": ""}  # names alone: a gateway's form
+    with pytest.raises(ValueError, match="a worker needs name=path"):
+        WorkerSettings(lora_modules="a")
     for bad, words in (
-        ("a", "not name=path"),
         ("a=", "not name=path"),
         ("a=/x,a=/y", "twice"),
         ("../x=/p", "must match"),
@@ -47,7 +51,7 @@ def test_names_resolve_to_stable_ids_and_unknown_names_list_the_known(tmp_path):
     assert (b.lora_name, b.lora_int_id, b.lora_path) == ("b", 1, "/models/b")
     assert adapters.resolve("from-dir").lora_path == str(tmp_path / "from-dir")
     assert adapters.resolve("b") is b and adapters.resolve("a").lora_int_id == 3
-    with pytest.raises(UnknownAdapterError, match="'nope'.*'a', 'b', 'from-dir'"):
+    with pytest.raises(UnknownAdapterError, match=r"'nope'.*'a', 'b', 'from-dir'"):
         adapters.resolve("nope")
     with pytest.raises(UnknownAdapterError):
         adapters.resolve("../etc")  # never a path outside --lora-dir

@@ -351,6 +351,7 @@ class BatchDriver:
             (row for row in iter_rows(location) if row.custom_id not in done),
             batch_id=batch_id,
             served_model_names=[self.settings.model],
+            adapter_names=self.settings.adapter_names,
         )
         journal = open_submitted(self.client.sink, batch_id, self.work_dir / f"{batch_id}.submitted")
         runner = PoolRunner(

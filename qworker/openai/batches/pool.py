@@ -77,9 +77,15 @@ def job_for(row: RowRequest, default_max_tokens: int) -> Job:
             "params": params,
             "metadata": {"custom_id": row.custom_id},
             "affinity": row.affinity,
+            "lora": row.lora,
         }
         if row.messages is not None:
-            return Job(messages=[ChatMessage(**m) for m in row.messages], **common)
+            return Job(
+                messages=[ChatMessage(**m) for m in row.messages],
+                tools=row.tools,
+                chat_template_kwargs=row.chat_template_kwargs,
+                **common,
+            )
         if isinstance(row.prompt, str):
             return Job(prompt=row.prompt, **common)
         return Job(prompt_token_ids=row.prompt, **common)

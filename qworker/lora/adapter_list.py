@@ -1,4 +1,6 @@
-"""The worker's LoRA adapters by name: what a job's `lora` field may name (docs/lora.md).
+"""LoRA adapters by name: what a job's `lora` field (a worker) or a batch row's `model` (local
+`qworker batch`) may name (docs/lora.md). The standard library, model_store for s3:// adapters,
+and LoRARequest: no torch.
 
 Two sources, both settings of the worker: `--lora-modules name=path,...` (vLLM's `--lora-modules`,
 comma-separated here; a path is a local directory or an `s3://` prefix) and `--lora-dir` (a
@@ -14,45 +16,14 @@ first resolved), so that its jobs share one loaded copy and its cached KV blocks
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qworker.errors import InvalidRequestError, QworkerError
+from qworker.errors import QworkerError, UnknownAdapterError
+from qworker.lora.modules import NAME_PATTERN
 from qworker.lora.request import LoRARequest
 
-# A name found under --lora-dir becomes a path component: no separators, no dot-dot.
-_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _REMOTE = ("s3://",)
-
-
-class UnknownAdapterError(InvalidRequestError):
-    """A job names an adapter this worker does not have."""
-
-
-class AdapterSettingsError(QworkerError, ValueError):
-    """--lora-modules or --lora-dir cannot be read."""
-
-
-def parse_lora_modules(value: str | None) -> dict[str, str]:
-    """`name=path,name=path` -> {name: path}; AdapterSettingsError naming the bad entry."""
-    modules: dict[str, str] = {}
-    for entry in (value or "").split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        name, sep, path = entry.partition("=")
-        name, path = name.strip(), path.strip()
-        if not sep or not name or not path:
-            raise AdapterSettingsError(f"--lora-modules entry {entry!r} is not name=path")
-        if not _NAME_PATTERN.match(name):
-            raise AdapterSettingsError(
-                f"--lora-modules name {name!r} must match {_NAME_PATTERN.pattern} (letters, digits, . _ -)"
-            )
-        if name in modules:
-            raise AdapterSettingsError(f"--lora-modules names {name!r} twice")
-        modules[name] = path
-    return modules
 
 
 @dataclass
@@ -93,7 +64,7 @@ class AdapterList:
 
     def _path_of(self, name: str) -> str:
         where = self.modules.get(name)
-        if where is None and self.lora_dir is not None and _NAME_PATTERN.match(name):
+        if where is None and self.lora_dir is not None and NAME_PATTERN.match(name):
             candidate = f"{self.lora_dir.rstrip('/')}/{name}"
             if candidate.startswith(_REMOTE) or (Path(candidate) / "adapter_config.json").is_file():
                 where = candidate
