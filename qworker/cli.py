@@ -342,6 +342,11 @@ from qworker.gateway.command import gateway  # noqa: E402 - its own block, besid
 
 app.command("gateway")(gateway)
 
+# -- dashboard (qworker/gateway/dashboard/command.py; issue 42) --
+from qworker.gateway.dashboard.command import dashboard  # noqa: E402 - beside its registration
+
+app.command("dashboard")(dashboard)
+
 dlq_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
