@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qworker.config import EngineConfig
-from qworker.engine.structured.tool_calls import template_messages
+from qworker.engine.structured.tool_calls import template_inputs
 from qworker.errors import InvalidConfigError, InvalidRequestError, PromptTooLongError
 from qworker.model.config import ModelConfig
 from qworker.utils import cdiv
@@ -64,11 +64,24 @@ class InputProcessor:
             f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt)}"
         )
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The conversation's prompt ids. `tools` (OpenAI's function tools) go to a template that
+        renders them, else into a system message (structured/tool_calls.py); `chat_template_kwargs`
+        are the template's own variables (Qwen3's `enable_thinking`)."""
         if not messages:
             raise InvalidRequestError("messages is empty")
-        messages = template_messages(messages, self.tokenizer.chat_template or "")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        messages, template_tools = template_inputs(messages, self.tokenizer.chat_template or "", tools)
+        kwargs = dict(chat_template_kwargs or {})
+        if template_tools is not None:
+            kwargs["tools"] = template_tools
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

@@ -141,8 +141,13 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return self.input_processor.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, tools, chat_template_kwargs)
 
     def validate_prompt_token_ids(self, token_ids: list[int]) -> None:
         self.input_processor.validate_prompt_token_ids(token_ids)

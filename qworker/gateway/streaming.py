@@ -14,6 +14,11 @@ store without deltas, e.g. S3 results without --stream-results), the other compl
 and logprobs, which the delta stream does not carry (choices that ask for logprobs come whole, at
 the end). The assembled text of each choice is therefore always its stored result's text. Should a
 new attempt diverge from text already sent, the stream ends with an error event instead.
+
+A chat row read for reasoning or tool calls (openai/chat_output.py) streams OpenAI's deltas for
+them instead of raw text: `reasoning_content` (and `reasoning`), `content`, and `tool_calls`
+(index, id, type and name first, then the arguments), computed from the same text by the same
+code as the stored answer, so that they join into its message.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from qworker.gateway.mapping import PreparedRequest
 from qworker.gateway.pool import StreamEnd, StreamEvent, StreamFailed, StreamText
 from qworker.gateway.responses import job_body
 from qworker.gateway.tokenizer import GatewayTokenizer
+from qworker.openai.bodies import call_id_seed
+from qworker.openai.chat_output import MessageStream
 from qworker.openai.format import ChatChoice, TextChoice, Usage
 from qworker.openai.rows import Endpoint
 
@@ -81,6 +88,10 @@ class ChunkWriter:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def delta_choice(index: int, delta: dict[str, Any], logprobs: Any = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+
 def error_event(error: GatewayError) -> bytes:
     """An error after the 200 went out: the SDK raises APIError on a chunk with `error`."""
     return sse(error.body())
@@ -104,6 +115,13 @@ async def stream_events(
     ended: set[int] = set()
     usages: list[Usage] = []
     is_live = [row.num_top_logprobs is None for row in prepared.rows]
+    # Rows read for reasoning or tool calls: one MessageStream per choice.
+    parsers = [
+        [MessageStream(row.output_parsing, call_id_seed(row, c)) for c in range(n)]
+        if writer.is_chat and row.output_parsing.is_active
+        else None
+        for row in prepared.rows
+    ]
     try:
         opening = []
         for p, row in enumerate(prepared.rows):
@@ -138,7 +156,11 @@ async def stream_events(
                 if not streamed[p]:
                     on_first_token(p)
                 streamed[p] += event.text
-                if is_live[p] and event.text:
+                message_streams = parsers[p]
+                if is_live[p] and event.text and message_streams is not None:
+                    for delta in message_streams[0].feed(event.text):
+                        yield writer.chunk([delta_choice(p * n, delta)])
+                elif is_live[p] and event.text:
                     yield writer.chunk([writer.choice(p * n, event.text)])
             elif isinstance(event, StreamFailed):
                 yield error_event(GatewayError(502, event.message, code="stream_failed"))
@@ -168,7 +190,15 @@ async def stream_events(
                         rest = completion.text[len(streamed[p]) :]
                     logprobs = choice.logprobs.model_dump() if choice.logprobs is not None else None
                     index = p * n + choice.index
-                    if rest or logprobs is not None:
+                    message_streams = parsers[p]
+                    if message_streams is not None:
+                        message_stream = message_streams[choice.index]
+                        deltas = message_stream.feed(rest) + message_stream.finish()
+                        if logprobs is not None and not deltas:
+                            deltas = [{}]
+                        for k, delta in enumerate(deltas):
+                            yield writer.chunk([delta_choice(index, delta, logprobs if k == 0 else None)])
+                    elif rest or logprobs is not None:
                         yield writer.chunk([writer.choice(index, rest, logprobs=logprobs)])
                     yield writer.chunk(
                         [

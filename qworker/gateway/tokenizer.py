@@ -33,6 +33,23 @@ class ChatTemplateError(QworkerError, ValueError):
     """Messages the chat template cannot render (none, or the template refused them)."""
 
 
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """transformers' `tojson` filter for chat templates (keys kept in order, non-ASCII kept)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(format)
+
+
 def cache_root() -> Path:
     return envs.cache_dir()
 
@@ -110,18 +127,35 @@ class GatewayTokenizer:
     def token_strs(self, token_ids: list[int]) -> list[str | None]:
         return [self.tokenizer.id_to_token(t) for t in token_ids]
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied as transformers' apply_chat_template does (jinja2, sandboxed)."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template applied as transformers' apply_chat_template does (jinja2, sandboxed),
+        with the tools as the worker gives them (qworker/engine/structured/tool_calls.py)."""
         if not self.chat_template:
             raise ChatTemplateError(f"the tokenizer in {self.path} has no chat template")
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        from qworker.engine.structured.tool_calls import template_inputs
+
+        messages, template_tools = template_inputs(messages, self.chat_template, tools)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # What transformers adds to a chat template's environment.
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
+        variables = {**special, **(chat_template_kwargs or {})}
+        if template_tools is not None:
+            variables["tools"] = template_tools
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **special
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None

@@ -53,6 +53,7 @@ __all__ = [
     "ChatMessage",
     "ChatRole",
     "CompletionResult",
+    "FunctionDefinition",
     "Job",
     "JobDecodeError",
     "JobError",
@@ -62,6 +63,7 @@ __all__ = [
     "TokenLogprob",
     "ToolCall",
     "ToolCallFunction",
+    "ToolDefinition",
     "TopLogprob",
     "Usage",
     "affinity_problem",
@@ -88,6 +90,33 @@ MAX_AFFINITY_BYTES = 256
 # Metadata comes back in the result as JSON: deeper nesting than this is refused at intake, because
 # the result could not be written or read back (pydantic's JSON stops at a depth of about 200).
 MAX_METADATA_DEPTH = 32
+# Tools a job may show its chat template (OpenAI allows 128 functions per request).
+MAX_TOOLS = 128
+# A function's parameters schema, and chat_template_kwargs: nesting past these is refused.
+MAX_TOOL_SCHEMA_DEPTH = 64
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_DEPTH = 8
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 2**10
+# apply_chat_template's own arguments: chat_template_kwargs cannot set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
 # Priorities are compared in the scheduler only, but a producer in another language holds an int64.
 MIN_PRIORITY = -(2**63)
 MAX_PRIORITY = 2**63 - 1
@@ -140,6 +169,53 @@ class ChatMessage(BaseModel):
         if self.content is None and not self.tool_calls:
             raise ValueError(f"a {self.role} message needs content")
         return self
+
+
+class FunctionDefinition(BaseModel):
+    """OpenAI's function tool: `parameters` is a JSON Schema object (none: no arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=65536)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_is_json(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = None if value is None else _json_text_problem(value, MAX_TOOL_SCHEMA_DEPTH)
+        if problem is not None:
+            raise ValueError(f"parameters {problem}")
+        return value
+
+
+class ToolDefinition(BaseModel):
+    """A tool the chat template shows the model (OpenAI's `{"type": "function", "function": ...}`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def chat_template_kwargs_problem(value: dict[str, Any]) -> str | None:
+    """Why `value` cannot be passed to a chat template (too many or reserved keys, not names,
+    too deep or too large), or None."""
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        return f"chat_template_kwargs has {len(value)} keys; the limit is {MAX_TEMPLATE_KWARGS}"
+    for key in value:
+        if not (isinstance(key, str) and key.isidentifier()):
+            return f"chat_template_kwargs: {str(key)[:60]!r} is not a template variable name"
+        if key in RESERVED_TEMPLATE_KWARGS:
+            return f"chat_template_kwargs cannot set {key!r} (give it as its own field)"
+    problem = _json_text_problem(value, MAX_TEMPLATE_KWARGS_DEPTH)
+    if problem is not None:
+        return f"chat_template_kwargs {problem}"
+    size = len(json.dumps(value, separators=(",", ":")))
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        return f"chat_template_kwargs is {size} bytes of JSON; the limit is {MAX_TEMPLATE_KWARGS_BYTES}"
+    return None
 
 
 def _json_kind(annotation: Any) -> str | None:
@@ -222,6 +298,18 @@ class Job(BaseModel):
         description="Longest time the job may wait in the queue before it first starts.",
     )
     metadata: dict[str, Any] | None = Field(default=None, description="Passed through to the result.")
+    tools: list[ToolDefinition] | None = Field(
+        default=None,
+        max_length=MAX_TOOLS,
+        description=(
+            "Functions shown to the model (messages only): passed to the chat template as `tools` "
+            "where it renders them, else written into a system message."
+        ),
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description=('Variables for the chat template (messages only), e.g. {"enable_thinking": false}.'),
+    )
 
     @field_validator("params", mode="before")
     @classmethod
@@ -261,7 +349,25 @@ class Job(BaseModel):
             problem = _json_text_problem(self.metadata, MAX_METADATA_DEPTH)
             if problem is not None:
                 raise ValueError(f"metadata {problem}")
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(self, name) is not None and self.messages is None:
+                raise ValueError(f"{name} is for chat jobs: give messages")
+        if self.tools is not None:
+            names = [t.function.name for t in self.tools]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"tools define {', '.join(twice)} more than once")
+        if self.chat_template_kwargs is not None:
+            problem = chat_template_kwargs_problem(self.chat_template_kwargs)
+            if problem is not None:
+                raise ValueError(problem)
         return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's dicts, without unset fields)."""
+        if self.tools is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class JobDecodeError(Exception):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from qworker.openai.chat_output import parse_message
 from qworker.openai.format import (
     MIN_LOGPROB,
     AssistantMessage,
@@ -33,7 +34,6 @@ from qworker.openai.format import (
     Usage,
 )
 from qworker.openai.rows import Endpoint, RowRequest
-from qworker.openai.structured_fields import forced_tool_calls
 
 
 class LogprobLike(Protocol):
@@ -192,6 +192,11 @@ def _usage(generation: Generation) -> Usage:
     )
 
 
+def call_id_seed(row: RowRequest, index: int) -> str:
+    """What the ids of completion `index`'s tool calls derive from (the stream's ids too)."""
+    return f"{row.request_id}/{index}"
+
+
 def chat_completion_body(
     row: RowRequest, generation: Generation, created: int, decode: Decode | None = None
 ) -> ChatCompletion:
@@ -204,12 +209,16 @@ def chat_completion_body(
             )
         message = AssistantMessage(content=completion.text)
         finish_reason = _finish_reason(completion)
-        if row.forced_tool is not None and finish_reason == "stop":
-            calls = forced_tool_calls(
-                row.forced_tool, completion.text, f"{row.request_id}/{completion.index}"
+        if row.output_parsing.is_active:
+            parsed = parse_message(row.output_parsing, completion.text, call_id_seed(row, completion.index))
+            message = AssistantMessage(
+                content=parsed.content,
+                tool_calls=parsed.tool_calls,
+                reasoning_content=parsed.reasoning,
+                reasoning=parsed.reasoning,
             )
-            if calls is not None:
-                message, finish_reason = AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
         choices.append(
             ChatChoice(
                 index=completion.index, message=message, logprobs=logprobs, finish_reason=finish_reason

@@ -106,9 +106,13 @@ class AssistantMessage(_Strict):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
-    # A forced tool call (openai/structured_fields.py): [{id, type: function, function: {name,
-    # arguments}}]. Left out of the JSON when there is none, as OpenAI does.
+    # Tool calls (openai/tool_parsers.py): [{id, type: function, function: {name, arguments}}].
+    # Left out of the JSON when there is none, as OpenAI does.
     tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # With a reasoning parser (openai/reasoning.py): the text of the <think> block, under vLLM's
+    # name and its newer one (the same text); left out when there is none.
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]

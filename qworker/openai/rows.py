@@ -461,7 +461,11 @@ def parse_row(
         if problem is not None:
             raise RowError(problem, param="chat_template_kwargs")
     tool_calling = constraint.tool_calling if messages is not None else None
-    if tool_calling is not None and tool_calling.parser == MISTRAL and body.get("skip_special_tokens") is None:
+    if (
+        tool_calling is not None
+        and tool_calling.parser == MISTRAL
+        and body.get("skip_special_tokens") is None
+    ):
         # [TOOL_CALLS] is a special token: kept in the text so that the parser sees it.
         mapped.sampling["skip_special_tokens"] = False
     try:

@@ -3,21 +3,27 @@ OpenAI's `response_format` (text, json_object, json_schema) and forced `tools`, 
 `structured_outputs`. One constraint per row; a value qworker cannot honour is a RowError, never
 a silent unconstrained run.
 
-A forced tool call (`tool_choice` "required" or a named function) constrains the output to the
-function's `parameters` schema; with "required" and several functions, to
-`{"name": <one of them>, "arguments": <its parameters>}`. The output then becomes OpenAI's
-`tool_calls` (`forced_tool_calls`).
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`), as OpenAI defines them:
+
+- `tool_choice` "auto" (the default when tools are given): the model decides; its text is read
+  for calls by the tool-call parser (openai/tool_parsers.py), no constraint is added.
+- "required" or a named function: the output is constrained to the function's `parameters`
+  schema; with "required" and several functions, to `{"name": <one of them>, "arguments": <its
+  parameters>}`, and read as that call.
+- "none": the tools are neither shown nor read for.
+
+A function with `strict: true` gets a closed arguments schema, as OpenAI's strict mode has it:
+`additionalProperties: false` and every property required, in every object of the schema.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from qworker.openai.format import RowError
+from qworker.openai.tool_parsers import FORCED_ARGUMENTS, FORCED_WRAPPED, ToolCalling
 
 # OpenAI's rule for function and json_schema names.
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -45,8 +51,10 @@ class OutputConstraint:
     # The value for SamplingParams.structured_outputs; None: unconstrained.
     structured_outputs: dict[str, Any] | None
     forced_tool: ForcedTool | None
-    # Tool definitions to show the model (a system message), for a forced call.
+    # Tool definitions to show the model (the job's `tools`).
     tools: list[dict[str, Any]] | None
+    # How the output is read for calls; None: it is not.
+    tool_calling: ToolCalling | None = None
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -106,19 +114,52 @@ def _tools(value: Any) -> dict[str, dict[str, Any]]:
         parameters = function.get("parameters", EMPTY_PARAMETERS)
         if not isinstance(parameters, dict):
             raise RowError(f"{where}.function.parameters must be a JSON Schema object", param=where)
-        out[name] = parameters
+        if function.get("strict") not in (None, True, False):
+            raise RowError(f"{where}.function.strict must be true or false", param=where)
+        out[name] = closed_schema(parameters) if function.get("strict") else parameters
     return out
 
 
-def _forced_names(tool_choice: Any, names: list[str]) -> list[str] | None:
-    if tool_choice in (None, "none"):
-        return None
-    if tool_choice == "auto":
-        raise RowError(
-            'tool_choice "auto" is not supported: use "required" or name a function',
-            param="tool_choice",
-            code="unsupported_parameter",
+# Keywords whose value is one schema, a list of schemas, or a name -> schema map.
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's strict mode: every object schema in `schema` gets `additionalProperties: false`
+    and all its properties required (a copy; walked without recursion, so depth is no risk)."""
+    root = dict(schema)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        properties = node.get("properties")
+        is_object = node.get("type") == "object" or (
+            isinstance(node.get("type"), list) and "object" in node["type"]
         )
+        if is_object or isinstance(properties, dict):
+            node["additionalProperties"] = False
+            if isinstance(properties, dict):
+                node["required"] = list(properties)
+        for key in _ONE_SCHEMA:
+            if isinstance(node.get(key), dict):
+                node[key] = dict(node[key])
+                stack.append(node[key])
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                node[key] = [dict(v) if isinstance(v, dict) else v for v in node[key]]
+                stack.extend(v for v in node[key] if isinstance(v, dict))
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                node[key] = {k: dict(v) if isinstance(v, dict) else v for k, v in node[key].items()}
+                stack.extend(v for v in node[key].values() if isinstance(v, dict))
+    return root
+
+
+def _forced_names(tool_choice: Any, names: list[str]) -> list[str] | None:
+    """The functions a forced choice allows; None for "none" and "auto"."""
+    if tool_choice in (None, "none", "auto"):
+        return None
     if tool_choice == "required":
         return names
     if (
@@ -132,12 +173,15 @@ def _forced_names(tool_choice: Any, names: list[str]) -> list[str] | None:
             raise RowError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         return [name]
     raise RowError(
-        'tool_choice must be "none", "required" or {type: "function", function: {name}}', param="tool_choice"
+        'tool_choice must be "none", "auto", "required" or {type: "function", function: {name}}',
+        param="tool_choice",
     )
 
 
-def output_constraint(body: dict[str, Any]) -> OutputConstraint:
-    """The row's constraint from response_format, structured_outputs, tools and tool_choice."""
+def output_constraint(body: dict[str, Any], tool_call_parser: str | None = None) -> OutputConstraint:
+    """The row's constraint from response_format, structured_outputs, tools and tool_choice.
+    `tool_call_parser`: the parser that reads calls under tool_choice "auto" (None: none can, and
+    "auto" is a 400)."""
     found: list[tuple[str, dict[str, Any]]] = []
     if body.get("response_format") is not None:
         constraint = _response_format(body["response_format"])
@@ -147,11 +191,18 @@ def output_constraint(body: dict[str, Any]) -> OutputConstraint:
         if not isinstance(body["structured_outputs"], dict):
             raise RowError("structured_outputs must be an object", param="structured_outputs")
         found.append(("structured_outputs", body["structured_outputs"]))
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise RowError(
+            f"parallel_tool_calls must be true or false, got {parallel!r}", param="parallel_tool_calls"
+        )
     forced: ForcedTool | None = None
     tools_shown = None
+    tool_calling = None
+    tool_choice = body.get("tool_choice")
     if body.get("tools") not in (None, []):
         parameters = _tools(body["tools"])
-        names = _forced_names(body.get("tool_choice"), list(parameters))
+        names = _forced_names(tool_choice, list(parameters))
         if names is not None:
             forced = ForcedTool(tuple(names))
             tools_shown = [t for t in body["tools"] if t["function"]["name"] in names]
@@ -170,35 +221,22 @@ def output_constraint(body: dict[str, Any]) -> OutputConstraint:
             else:
                 schema = parameters[names[0]]
             found.append(("tools", {"json": schema}))
-    elif body.get("tool_choice") not in (None, "none", "auto"):
+            parser = FORCED_WRAPPED if forced.is_wrapped else FORCED_ARGUMENTS
+            tool_calling = ToolCalling(parser, forced.names)
+        elif tool_choice != "none":  # "auto", OpenAI's default when tools are given
+            if tool_call_parser is None:
+                raise RowError(
+                    'tool_choice "auto" needs a tool-call parser, and none was found for this model\'s '
+                    "chat template: start the gateway with --tool-call-parser (hermes, llama3_json, "
+                    'mistral), or use tool_choice "required" or a named function',
+                    param="tool_choice",
+                    code="unsupported_parameter",
+                )
+            tools_shown = list(body["tools"])
+            tool_calling = ToolCalling(tool_call_parser, tuple(parameters), parallel is not False)
+    elif tool_choice not in (None, "none", "auto"):
         raise RowError("tool_choice needs tools", param="tool_choice")
     if len(found) > 1:
         names_found = " and ".join(name for name, _ in found)
         raise RowError(f"{names_found} each constrain the output; give one", param=found[1][0])
-    return OutputConstraint(found[0][1] if found else None, forced, tools_shown)
-
-
-def tools_system_message(tools: list[dict[str, Any]]) -> dict[str, str]:
-    """A system message that shows the model the functions it must call (chat templates that
-    take `tools` render their own; SmolLM2's takes none)."""
-    listed = json.dumps([t["function"] for t in tools], separators=(",", ":"))
-    return {"role": "system", "content": f"Reply with a call to one of these functions, as JSON: {listed}"}
-
-
-def forced_tool_calls(forced: ForcedTool, text: str, call_id_seed: str) -> list[dict[str, Any]] | None:
-    """OpenAI's tool_calls for a completed output under a forced tool; None when the text is not
-    a call (an output cut at max_tokens)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if forced.is_wrapped:
-        if not isinstance(value, dict) or value.get("name") not in forced.names:
-            return None
-        name, arguments = value["name"], value.get("arguments", {})
-    else:
-        name, arguments = forced.names[0], value
-    call_id = "call_" + uuid.uuid5(uuid.NAMESPACE_OID, call_id_seed).hex[:24]
-    return [
-        {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-    ]
+    return OutputConstraint(found[0][1] if found else None, forced, tools_shown, tool_calling)

@@ -109,7 +109,12 @@ class FakeEngine:
             raise InvalidRequestError("prompt is empty")
         return prompt, self.tokenizer.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         assert self.tokenizer is not None, "the worker checks for a tokenizer first"
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return self.tokenizer.encode(text)

@@ -49,7 +49,14 @@ class EngineProtocol(Protocol):
         """(text, token ids) of a plain-text prompt."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The conversation's prompt ids; `tools` and `chat_template_kwargs` as the job gives them."""
+        ...
 
     def add_request(
         self,

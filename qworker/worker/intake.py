@@ -142,7 +142,12 @@ def prepare_prompt(engine: EngineProtocol, job: Job) -> dict[str, Any]:
     if engine.tokenizer is None:
         raise InvalidRequestError("this model has no tokenizer: send prompt_token_ids")
     if job.messages is not None:
-        return {"prompt_token_ids": engine.apply_chat_template([m.model_dump() for m in job.messages])}
+        messages = [m.model_dump() for m in job.messages]
+        return {
+            "prompt_token_ids": engine.apply_chat_template(
+                messages, tools=job.template_tools(), chat_template_kwargs=job.chat_template_kwargs
+            )
+        }
     assert job.prompt is not None, "Job validation guarantees one prompt form"
     text, token_ids = engine.tokenize(job.prompt)
     return {"prompt": text, "prompt_token_ids": token_ids}

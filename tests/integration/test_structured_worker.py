@@ -193,7 +193,7 @@ def test_fuzzed_constraint_fields_in_rows_are_a_row_error_or_a_runnable_row(
         return
     # Accepted: the params build, and the constraint asked for is the one taken.
     params = row.sampling_params(4)
-    is_forced = bool(tool_list) and tool_choice not in (None, "none")
+    is_forced = bool(tool_list) and tool_choice not in (None, "none", "auto")
     assert (row.forced_tool is not None) == is_forced
     asks_json = isinstance(response_format, dict) and response_format.get("type") != "text"
     if is_forced or asks_json:
