@@ -207,6 +207,8 @@ class LLMEngine:
         if params.n > 1 and any(child_id(request_id, i) in self.output_processor for i in range(params.n)):
             raise InvalidRequestError(f"request id {request_id!r} clashes with a request in the engine")
         arrival_time = arrival_time or time.time()
+        # A request that waits for its adapter keeps its place in the queue.
+        arrival_index: int | None = None
 
         def proceed() -> None:
             if params.structured_outputs is not None:
@@ -219,9 +221,20 @@ class LLMEngine:
                     ),
                 )
                 return
-            self._start(request_id, text, token_ids, params, priority, arrival_time, resume, lora_request)
+            self._start(
+                request_id,
+                text,
+                token_ids,
+                params,
+                priority,
+                arrival_time,
+                resume,
+                lora_request,
+                arrival_index,
+            )
 
         if lora_request is not None and self.lora is not None and not self.lora.is_loaded(lora_request):
+            arrival_index = self.scheduler.take_arrival_index()
             # Loads off this thread; the request goes on at the step that finds it loaded.
             self.lora.wait_for_adapter(WaitingForAdapter(request_id, lora_request, proceed))
             return request_id
@@ -248,6 +261,7 @@ class LLMEngine:
         arrival_time: float,
         resume: ResumeFrom | None = None,
         lora_request: LoRARequest | None = None,
+        arrival_index: int | None = None,
     ) -> None:
         if params.n == 1:
             self._enqueue(
@@ -257,6 +271,7 @@ class LLMEngine:
                 params,
                 priority,
                 arrival_time,
+                arrival_index,
                 resume=resume,
                 lora_request=lora_request,
             )
@@ -439,6 +454,7 @@ class LLMEngine:
             logger.info("request %s failed: %s", waiting.request_id, error)
             self._lora_of_parent.pop(waiting.request_id, None)
             failed.append(self.output_processor.failed_before_start(waiting.request_id, error, time.time()))
+        self.lora.start_loads()  # after the loaded adapters' requests pinned them
         return failed
 
     def _release_prefilled_children(self) -> None:

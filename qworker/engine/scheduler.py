@@ -102,6 +102,13 @@ class Scheduler:
             self.lora.pin(request.lora_request.lora_int_id)
         heapq.heappush(self._waiting, (self._sort_key(request), request.request_id))
 
+    def take_arrival_index(self) -> int:
+        """The next arrival index, for a request that joins later but keeps its place (one that
+        waited for its LoRA adapter to load)."""
+        arrival_index = self._next_arrival_index
+        self._next_arrival_index += 1
+        return arrival_index
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)

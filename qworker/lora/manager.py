@@ -5,7 +5,8 @@ the device's `max_loras` slots as the scheduler admits their requests.
   KV blocks, no place in the queue that others wait behind), while one background thread reads
   and checks the adapter's files (`peft_adapter.load_adapter`). Each step, `take_ready` hands
   back the waiting requests whose adapter is now loaded (they join the scheduler) and those
-  whose adapter failed (they fail, each with the adapter's LoRAAdapterError; others go on).
+  whose adapter failed (they fail, each with the adapter's LoRAAdapterError; others go on);
+  `start_loads` then starts the loads that host memory has room for.
 - Host memory. At most `max_cpu_loras` adapters are loaded or loading. An adapter is pinned
   while requests in the scheduler use it; the least recently used unpinned one is evicted to
   make room, and a load waits while every loaded adapter is pinned.
@@ -158,8 +159,12 @@ class LoRAManager:
                 adapter.request.lora_name, lora_int_id, adapter.rank, adapter.num_bytes / 2**20,
             )  # fmt: skip
             ready.extend((w, None) for w in load.waiting)
-        self._pump()
         return ready
+
+    def start_loads(self) -> None:
+        """Start the loads that host memory has room for; call it after the requests that
+        take_ready handed back have joined the scheduler (their adapters pinned)."""
+        self._pump()
 
     def wait_idle(self, timeout_s: float = 0.05) -> None:
         """Block a little while adapters load and nothing else can run."""
