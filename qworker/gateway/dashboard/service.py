@@ -34,12 +34,15 @@ class DashboardSettings:
     history_interval_s: float = field(
         default=10.0, metadata={"help": "Seconds between the chart's samples (the ring buffer holds an hour)"}
     )
+    # 1.5: a SIGKILLed worker shows stopped within 2 intervals + 1 s (1.5 intervals, a poll of the
+    # page, a cached reading); a worker whose engine steps take longer than half its interval may
+    # show stopped for a moment: raise it, or the worker's --stats-interval-s.
     stale_after_intervals: float = field(
-        default=2.0,
+        default=1.5,
         metadata={"help": "A worker whose report is this many report intervals old is shown stopped"},
     )
     snapshot_ttl_s: float = field(
-        default=0.5, metadata={"help": "Seconds one reading of the pool serves every open page"}
+        default=0.25, metadata={"help": "Seconds one reading of the pool serves every open page"}
     )
 
     def __post_init__(self) -> None:
