@@ -1,6 +1,6 @@
 """Structured output through the gateway with the official openai SDK, unchanged: response_format
 (json_schema and json_object), a forced tool call returned as tool_calls, the round trip with the
-call and its result in the conversation, and the refusals (tool_choice auto, two constraints, a
+call and its result in the conversation, and the refusals (a bad tool_choice, two constraints, a
 schema the backend refuses). The gateway suite's SmolLM2 worker serves them."""
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def test_forced_tool_call_and_its_round_trip(sdk, worker):
 
 @pytest.mark.timeout(120)
 def test_what_cannot_run_is_a_clear_400(sdk, worker):
-    with pytest.raises(openai.BadRequestError, match="auto"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
         sdk.chat.completions.create(
-            model="smollm2", messages=ASK, max_tokens=4, tools=[WEATHER], tool_choice="auto"
+            model="smollm2", messages=ASK, max_tokens=4, tools=[WEATHER], tool_choice="sometimes"
         )
     with pytest.raises(openai.BadRequestError, match="give one"):
         sdk.chat.completions.create(
