@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +31,11 @@ def _runs_tests(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # xdist's controller hands out whole files (--dist loadfile) in the order that
+    # pytest_collection_modifyitems below sets, longest first; its default would re-sort them by
+    # their number of tests, which put the long one-test files (a pool, a broker restart) last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if not _runs_tests(config):
         return
     from qworker import envs
@@ -88,12 +95,63 @@ def no_process_left_behind(request: pytest.FixtureRequest):
     pytest.fail(f"the suite left {len(left)} process(es) running (now killed): {names}", pytrace=False)
 
 
+# -- the order the two processes take files in: longest first --
+
+DURATIONS_PATH = Path(__file__).with_name("durations.json")
+# Seconds for a file missing from durations.json (new since it was written): a `slow` file counts
+# as a long one, any other as a quick one.
+NEW_SLOW_FILE_S, NEW_FILE_S = 40.0, 2.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help=f"write each file's seconds (setup, call, teardown) to {DURATIONS_PATH.name}, "
+        "which orders the files of later runs",
+    )
+
+
+def file_seconds() -> dict[str, float]:
+    try:
+        table = json.loads(DURATIONS_PATH.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in table.items()} if isinstance(table, dict) else {}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with slow tests first, each file's tests in their order: the two processes take
-    whole files in this order, so the quick files fill the end of the run instead of one process
-    idling while the other finishes a long file."""
+    """Files longest first (seconds from tests/durations.json), each file's tests in their order:
+    the two processes take whole files in this order, so the quick files fill the end of the run
+    instead of one process idling while the other finishes a long file (LPT scheduling)."""
+    seconds = file_seconds()
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)
+    root = config.rootpath
+
+    def cost(item: pytest.Item) -> float:
+        name = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else str(item.path)
+        default = NEW_SLOW_FILE_S if item.path in slow_files else NEW_FILE_S
+        return -seconds.get(name, default)
+
+    items.sort(key=cost)  # stable: a file's tests keep their order, ties keep collection order
+
+
+_STORED_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Under xdist this runs in the controller too, for every worker's reports.
+    name = report.nodeid.split("::", 1)[0]
+    _STORED_SECONDS[name] = _STORED_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    if not config.getoption("--store-durations") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    table = {**file_seconds(), **{k: round(v, 1) for k, v in _STORED_SECONDS.items()}}
+    ordered = dict(sorted(table.items(), key=lambda kv: -kv[1]))
+    DURATIONS_PATH.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
