@@ -237,6 +237,13 @@ def submit(
     temperature: Annotated[
         float, typer.Option(help="Sampling temperature; 0 is greedy (params.temperature)")
     ] = 0.0,
+    lora: Annotated[
+        str | None, typer.Option(help="The LoRA adapter to generate with: a name the workers serve")
+    ] = None,
+    affinity: Annotated[
+        str | None,
+        typer.Option(help="The job's affinity key (none: derived from the prompt; docs/queues.md)"),
+    ] = None,
     wait: Annotated[bool, typer.Option(help="Wait for the result and print it")] = True,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the result")] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as JSON")] = False,
@@ -253,6 +260,7 @@ def submit(
         job["prompt"] = prompt
     else:
         job["messages"] = [{"role": "user", "content": prompt}]
+    job.update({name: value for name, value in (("lora", lora), ("affinity", affinity)) if value is not None})
     with reported_errors(), connecting("queue", queue):
         client = Client(queue=queue, results=results, stream_results=stream_results)
     with reported_errors(), client:

@@ -28,6 +28,8 @@ def submit(queue_url: str, *args: str):
         (["--max-tokens", "-5", "hi"], "params: max_tokens must be at least 1, got -5"),
         (["--temperature", "nan", "hi"], "params: temperature must be a finite number, got nan"),
         (["--raw", ""], "job: prompt is empty"),
+        (["--affinity", "k" * 257, "hi"], "affinity: affinity is 257 bytes of UTF-8; the limit is 256"),
+        (["--lora", "", "hi"], "lora: String should have at least 1 character"),
     ],
 )
 def test_an_invalid_job_is_one_line_and_exit_2(queue_url, args, message):
