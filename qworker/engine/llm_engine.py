@@ -372,6 +372,10 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.finish_aborted(request_id, time.time())
 
+    def loaded_adapter_names(self) -> list[str]:
+        """The LoRA adapters loaded now (none without enable_lora), for the worker's report."""
+        return self.lora.loaded_names() if self.lora is not None else []
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()

@@ -76,6 +76,10 @@ class LoRAManager:
         self._slot_of: dict[int, int] = {}
         self._clock = 0
 
+    def loaded_names(self) -> list[str]:
+        """The names of the adapters in host memory, least recently used first."""
+        return [adapter.request.lora_name for adapter in self._host.values()]
+
     # -- waiting for adapters (engine) -------------------------------------------------------
 
     def is_loaded(self, lora_request: LoRARequest) -> bool:

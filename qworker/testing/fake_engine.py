@@ -182,6 +182,10 @@ class FakeEngine:
                     return self._output(request)
         return None
 
+    def loaded_adapter_names(self) -> list[str]:
+        """The adapters of the requests added so far, as an engine that kept them all loaded."""
+        return sorted({r.lora_name for r in self.adapters.values() if r is not None})
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._running)
 

@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any
 
 from qworker.worker.admission import AdmissionStats
+from qworker.worker.engine_protocol import EngineProtocol
 from qworker.worker.stats import WorkerStats
 
 # The window of the output rate.
@@ -27,18 +28,6 @@ def generated_tokens(registry: Any) -> int:
     (the loop and finish.py count tokens there and nowhere else)."""
     value = registry.get_sample_value("qworker_generation_tokens_total")
     return int(value or 0)
-
-
-def adapter_names(engine: Any) -> list[str] | None:
-    """The LoRA adapters an engine has loaded, when it says (`loaded_adapter_names()`); None for
-    an engine without adapters."""
-    names = getattr(engine, "loaded_adapter_names", None)
-    if not callable(names):
-        return None
-    try:
-        return sorted(str(n) for n in names())
-    except Exception:  # a report must never fail the loop
-        return None
 
 
 def model_label(model: str) -> str:
@@ -56,7 +45,9 @@ class ReportFiller:
         self.started_at = time.time()
         self._samples: deque[tuple[float, int]] = deque()
 
-    def fill(self, stats: WorkerStats, admission: AdmissionStats, engine: Any, registry: Any) -> None:
+    def fill(
+        self, stats: WorkerStats, admission: AdmissionStats, engine: EngineProtocol, registry: Any
+    ) -> None:
         now = time.time()
         tokens = generated_tokens(registry)
         self._samples.append((now, tokens))
@@ -71,7 +62,7 @@ class ReportFiller:
         stats.started_at = self.started_at
         stats.model = model_label(str(config.model))
         stats.quantization = getattr(config, "quantization", None)
-        stats.adapters = adapter_names(engine)
+        stats.adapters = engine.loaded_adapter_names()
         stats.num_waiting = admission.num_jobs_not_started
         stats.num_running = admission.num_jobs_held - admission.num_jobs_not_started
         stats.num_generated_tokens = tokens
