@@ -34,6 +34,7 @@ from qworker.jobs.job import (
     Job,
     JobResult,
     JobStatus,
+    ToolDefinition,
     format_validation_error,
     logprobs_dict,
 )
@@ -82,7 +83,7 @@ def job_for(row: RowRequest, default_max_tokens: int) -> Job:
         if row.messages is not None:
             return Job(
                 messages=[ChatMessage(**m) for m in row.messages],
-                tools=row.tools,
+                tools=[ToolDefinition.model_validate(t) for t in row.tools] if row.tools else None,
                 chat_template_kwargs=row.chat_template_kwargs,
                 **common,
             )
