@@ -290,7 +290,7 @@ class PoolObserver:
                 age = None
                 if size:
                     # The backlog reader's own per-stream count (what the exporter sums).
-                    work = self.backlog._read_stream(stream, size, live_workers)  # type: ignore[attr-defined]
+                    work = self.backlog.read_stream(stream, size, live_workers)  # type: ignore[attr-defined]
                     age = self._oldest_waiting_age_s(stream, group, now)
                 waiting, in_flight = waiting + work.waiting, in_flight + work.in_flight
                 if age is not None:

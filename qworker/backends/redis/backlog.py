@@ -65,11 +65,12 @@ class RedisStreamBacklog:
         for stream, num_entries in zip(self.streams.all, sizes, strict=True):
             if num_entries == 0:
                 continue
-            work = self._read_stream(stream, num_entries, live_workers)
+            work = self.read_stream(stream, num_entries, live_workers)
             waiting, in_flight = waiting + work.waiting, in_flight + work.in_flight
         return QueueWork(waiting, in_flight)
 
-    def _read_stream(self, stream: str, num_entries: int, live_workers: set[str] | None) -> QueueWork:
+    def read_stream(self, stream: str, num_entries: int, live_workers: set[str] | None) -> QueueWork:
+        """One stream's part of read(), given its XLEN (the dashboard shows lanes one by one)."""
         group = self._group_info(stream)
         if group is None:
             # No worker ever joined (scale from zero): every entry waits.

@@ -47,7 +47,9 @@ class RedisStreamDeadLetters(DeadLetterQueue):
         self.dead_letter_stream = dead_letter_stream
 
     @staticmethod
-    def _dead_letter(entry_id: Any, fields: dict[Any, Any]) -> DeadLetter:
+    def letter_of_entry(entry_id: Any, fields: dict[Any, Any]) -> DeadLetter:
+        """A dead-letter stream entry as a DeadLetter (the dashboard reads the newest itself)."""
+
         def text(name: str) -> str | None:
             value = fields.get(name.encode(), fields.get(name))
             if value is None:
@@ -68,7 +70,7 @@ class RedisStreamDeadLetters(DeadLetterQueue):
 
     def read(self, limit: int = DEFAULT_LIST_LIMIT) -> list[DeadLetter]:
         entries = self.redis.xrange(self.dead_letter_stream, count=limit)
-        return [self._dead_letter(entry_id, fields) for entry_id, fields in entries]
+        return [self.letter_of_entry(entry_id, fields) for entry_id, fields in entries]
 
     def show(self, dead_letter_id: str) -> DeadLetter | None:
         import redis
@@ -77,7 +79,7 @@ class RedisStreamDeadLetters(DeadLetterQueue):
             entries = self.redis.xrange(self.dead_letter_stream, dead_letter_id, dead_letter_id)
         except redis.ResponseError:  # not a stream entry id
             return None
-        return self._dead_letter(*entries[0]) if entries else None
+        return self.letter_of_entry(*entries[0]) if entries else None
 
     def replay(self, dead_letter_ids: Iterable[str] | None, results: ResultSink | None) -> list[DeadLetter]:
         if dead_letter_ids is None:

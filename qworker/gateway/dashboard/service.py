@@ -192,7 +192,7 @@ class DashboardService:
             from qworker.backends.redis.dead_letters import RedisStreamDeadLetters
 
             entries = observer.queue_redis.xrevrange(observer.dead_stream, count=limit)
-            return [_dead_letter_view(RedisStreamDeadLetters._dead_letter(i, f)) for i, f in entries]
+            return [_dead_letter_view(RedisStreamDeadLetters.letter_of_entry(i, f)) for i, f in entries]
         with self._dead_letter_queue() as dlq:
             letters = dlq.read()
         return [_dead_letter_view(d) for d in reversed(letters[-limit:])]
