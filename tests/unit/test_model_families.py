@@ -16,8 +16,6 @@ import copy
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -308,9 +306,16 @@ def test_an_unknown_model_type_lists_the_supported_ones(families: dict[str, Fami
 def test_the_worker_exits_with_the_usage_code_on_a_bad_checkpoint(
     families: dict[str, Family], tmp_path: Path
 ) -> None:
-    """As a user runs it: one line, exit code 2 (docs/WORKER.md), and it never says ready."""
+    """As a user runs it: one line, exit code 2 (docs/WORKER.md), and it never says ready.
+
+    The command runs in this process (click's runner: the exit code is the one `qworker` exits
+    with); a subprocess cost a second import of torch and transformers and added nothing to the
+    check. tests/unit/test_first_contact_errors.py runs `qworker worker` as a process."""
     import os
 
+    from typer.testing import CliRunner
+
+    from qworker import cli
     from qworker.cli_errors import EXIT_USAGE
     from qworker.model.loader import resolve_model
 
@@ -323,12 +328,13 @@ def test_the_worker_exits_with_the_usage_code_on_a_bad_checkpoint(
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy(tokenizer_dir / name, path / name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "qworker", "worker", "--model", str(path), "--queue", "memory://bad-checkpoint",
-         "--device", "cpu", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    proc = CliRunner().invoke(
+        cli.app,
+        ["worker", "--model", str(path), "--queue", "memory://bad-checkpoint", "--device", "cpu",
+         "--dtype", "float32"],
     )  # fmt: skip
-    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert proc.exception is None or isinstance(proc.exception, SystemExit), proc.exception
+    assert proc.exit_code == EXIT_USAGE, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("qworker: error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "layers.2.self_attn.q_norm.weight" in errors[0]
