@@ -26,7 +26,8 @@ from qworker.envs import cache_dir
 from qworker.errors import EngineFailedError, EngineStepError
 from qworker.health import HealthState
 from qworker.jobs.job import JobError, JobStatus
-from qworker.worker.adapters import AdapterList, parse_lora_modules
+from qworker.lora.adapter_list import AdapterList
+from qworker.lora.modules import parse_lora_modules
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats
 from qworker.worker.broker_calls import BrokerCalls
 from qworker.worker.drain import Drain
