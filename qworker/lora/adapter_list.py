@@ -36,6 +36,14 @@ class AdapterList:
     _ids: dict[str, int] = field(default_factory=dict, init=False)
     _resolved: dict[str, LoRARequest] = field(default_factory=dict, init=False)
 
+    @classmethod
+    def of(cls, lora_modules: str | None, lora_dir: str | None) -> AdapterList:
+        """The list a worker's --lora-modules and --lora-dir give (s3:// into the model cache)."""
+        from qworker.envs import cache_dir
+        from qworker.lora.modules import parse_lora_modules
+
+        return cls(parse_lora_modules(lora_modules), lora_dir, cache_dir())
+
     @property
     def is_empty(self) -> bool:
         return not self.modules and self.lora_dir is None

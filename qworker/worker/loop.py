@@ -22,12 +22,10 @@ import time
 
 from qworker.backends.sink import Delta, ResultSink
 from qworker.backends.source import JobSource, Lease
-from qworker.envs import cache_dir
 from qworker.errors import EngineFailedError, EngineStepError
 from qworker.health import HealthState
 from qworker.jobs.job import JobError, JobStatus
 from qworker.lora.adapter_list import AdapterList
-from qworker.lora.modules import parse_lora_modules
 from qworker.worker.admission import AdmissionPolicy, AdmissionStats
 from qworker.worker.broker_calls import BrokerCalls
 from qworker.worker.drain import Drain
@@ -108,9 +106,7 @@ class Worker:
             admission=self.admission,
             metrics=self.metrics,
             log_payloads=self.settings.log_payloads,
-            adapters=AdapterList(
-                parse_lora_modules(self.settings.lora_modules), self.settings.lora_dir, cache_dir()
-            ),
+            adapters=AdapterList.of(self.settings.lora_modules, self.settings.lora_dir),
         )
         # Leased messages not yet taken (the broker went away while taking them).
         self._intake: list[Lease] = []
