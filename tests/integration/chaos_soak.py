@@ -369,14 +369,20 @@ class Soak:
     def summarize(self, r: redis_lib.Redis) -> dict:
         ids = sorted(set(self.submitted))
         num_results = self.count_results(r)
-        num_duplicated = 0
+        duplicated: list[str] = []
         for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
             pipe = r.pipeline(transaction=False)
-            for job_id in ids[i : i + 500]:
+            for job_id in chunk:
                 pipe.xrange(constants.delta_stream_key(self.prefix, self.layout.job(job_id)))
-            for entries in pipe.execute():
+            for job_id, entries in zip(chunk, pipe.execute(), strict=True):
                 done = sum(1 for _, fields in entries if constants.DELTA_FIELD_DONE.encode() in fields)
-                num_duplicated += done > 1
+                if done > 1:
+                    duplicated.append(job_id)
+        num_duplicated = len(duplicated)
+        if duplicated:
+            # Which jobs, to look them up in the workers' logs under the out folder.
+            self.log(f"duplicated jobs: {', '.join(duplicated[:20])}")
         pending = sum(
             int(r.xpending(stream, "g")["pending"]) + int(r.xlen(stream))
             for stream in self.streams.all
