@@ -236,3 +236,27 @@ def test_two_workers_each_serve_their_keys_and_an_idle_one_steals(url):
             w.stop()
         for thread in threads:
             thread.join(10)
+
+
+def test_thieves_and_owners_take_the_oldest_entries_first_across_lanes(url):
+    a, b = joined(url, "a", "b")
+    mine = owned_lanes("b", ["a", "b"], NUM_LANES)
+    keys_by_lane: dict[int, str] = {}
+    for i in range(10_000):
+        lane = lane_index(f"key-{i}", NUM_LANES)
+        if lane in mine and lane not in keys_by_lane:
+            keys_by_lane[lane] = f"key-{i}"
+        if len(keys_by_lane) == 2:
+            break
+    # Interleaved across two of b's lanes, the higher-numbered lane first.
+    high, low = (keys_by_lane[lane] for lane in sorted(keys_by_lane, reverse=True))
+    producer = open_producer(url)
+    for job_id, key in (("h1", high), ("l1", low), ("h2", high), ("l2", low)):
+        producer.send([job(job_id, key)])
+        time.sleep(0.002)  # distinct milliseconds: arrival order is the entry ids' order
+    time.sleep(0.5)
+    assert [le.job_id for le in a.lease(3, 0.0)] == ["h1", "l1", "h2"]  # a thief: the oldest first
+    producer.send([job("h3", high)])
+    time.sleep(0.002)
+    producer.send([job("l3", low)])
+    assert [le.job_id for le in b.lease(10, 0.0)] == ["l2", "h3", "l3"]  # the owner too

@@ -6,10 +6,11 @@ the lanes sit in different slots and no script may span them, so the same order 
 pipelines: one round trip to see which lanes hold entries, then one per round of reads (most
 reads take one round), and for stealing two more (where each lane's next entry is, and how old).
 
-Both readers take, in order: the priority lane (up to the count), then the fair streams (the
-worker's own lanes and the shared stream) an equal share each in turn until the count is met or
-they are empty, then the stealable lanes' entries that have waited `steal_after_ms`, oldest lane
-first in the order given. They never take more than the count.
+Both readers take, in order: the priority lane (up to the count), then the fair streams' entries
+(the worker's own lanes and the shared stream), the oldest first across them, then the stealable
+lanes' entries that have waited `steal_after_ms`, the oldest first across them. They never take
+more than the count. Oldest first keeps the pool close to one FCFS queue: a worker serves its own
+lanes in arrival order, and thieves take the jobs that have waited longest wherever they are.
 """
 
 from __future__ import annotations
@@ -37,45 +38,54 @@ local function take(i, count)
   for _, entry in ipairs(entries) do table.insert(out, {i, entry[1], entry[2]}) end
   return #entries
 end
-left = left - take(1, left)
-local turn = {}
-for i = 2, num_fair + 1 do
-  if redis.call('XLEN', KEYS[i]) > 0 then turn[#turn + 1] = i end
+local function stamp(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
 end
-while left > 0 and #turn > 0 do
-  local share = math.max(1, math.floor(left / #turn))
-  local again = {}
-  for _, i in ipairs(turn) do
-    if left > 0 then
-      local got = take(i, math.min(share, left))
-      left = left - got
-      if got == share then again[#again + 1] = i end
-    end
-  end
-  turn = again
-end
-if left > 0 and #KEYS > num_fair + 1 then
-  local now = redis.call('TIME')
-  local cutoff = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - steal_after_ms
-  for i = num_fair + 2, #KEYS do
-    if left <= 0 then break end
+-- The streams KEYS[first..last] hold undelivered entries: take up to `left` of them, the oldest
+-- first across the streams (each stream's entries are in order, so that is its first few),
+-- only those added at or before `cutoff` ms when one is given. Returns how many were taken.
+local function oldest(first, last, cutoff)
+  local waiting = {}
+  for i = first, last do
     if redis.call('XLEN', KEYS[i]) > 0 then
-      local last = nil
+      local delivered = nil
       for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[i])) do
         local info = {}
         for j = 1, #g, 2 do info[g[j]] = g[j + 1] end
-        if info['name'] == group then last = info['last-delivered-id'] end
+        if info['name'] == group then delivered = info['last-delivered-id'] end
       end
-      if last then
-        local ready = 0
-        for _, entry in ipairs(redis.call('XRANGE', KEYS[i], '(' .. last, '+', 'COUNT', left)) do
-          if tonumber(string.match(entry[1], '^(%d+)')) > cutoff then break end
-          ready = ready + 1
+      if delivered then
+        for _, entry in ipairs(redis.call('XRANGE', KEYS[i], '(' .. delivered, '+', 'COUNT', left)) do
+          local ms, seq = stamp(entry[1])
+          if cutoff and ms > cutoff then break end
+          waiting[#waiting + 1] = {ms, seq, i}
         end
-        if ready > 0 then left = left - take(i, ready) end
       end
     end
   end
+  table.sort(waiting, function(a, b)
+    if a[1] ~= b[1] then return a[1] < b[1] end
+    if a[2] ~= b[2] then return a[2] < b[2] end
+    return a[3] < b[3]
+  end)
+  local counts = {}
+  for n = 1, math.min(left, #waiting) do
+    local i = waiting[n][3]
+    counts[i] = (counts[i] or 0) + 1
+  end
+  local got = 0
+  for i = first, last do
+    if counts[i] then got = got + take(i, counts[i]) end
+  end
+  return got
+end
+left = left - take(1, left)
+if left > 0 and num_fair > 0 then left = left - oldest(2, num_fair + 1, nil) end
+if left > 0 and #KEYS > num_fair + 1 then
+  local now = redis.call('TIME')
+  local cutoff = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - steal_after_ms
+  left = left - oldest(num_fair + 2, #KEYS, cutoff)
 end
 return out
 """
@@ -86,6 +96,16 @@ class Entry:
     stream: str
     entry_id: str
     fields: dict[Any, Any]
+
+
+def _stamp(entry_id: str) -> tuple[int, int]:
+    """An entry id, `<ms>-<seq>`, as numbers: its place in arrival order."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _arrival(entry: Entry) -> tuple[int, int]:
+    return _stamp(entry.entry_id)
 
 
 def _entries(stream: str, reply: Any) -> list[Entry]:
@@ -109,11 +129,12 @@ class ScriptLaneReader:
         reply = self._read(
             keys=streams, args=[self.group, self.consumer, count, len(order.fair), steal_after_ms]
         )
-        entries = []
+        urgent, rest = [], []
         for index, entry_id, flat in reply or []:
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            entries.append(Entry(streams[int(index) - 1], as_text(entry_id), fields))
-        return entries
+            entry = Entry(streams[int(index) - 1], as_text(entry_id), fields)
+            (urgent if int(index) == 1 else rest).append(entry)
+        return urgent + sorted(rest, key=_arrival)
 
 
 class PipelinedLaneReader:
@@ -144,48 +165,44 @@ class PipelinedLaneReader:
         for stream in others:
             pipe.xlen(stream)
         sizes = dict(zip(others, (int(n) for n in pipe.execute()), strict=True))
-        turn = [s for s in order.fair if sizes[s] > 0]
-        while left > 0 and turn:
-            share = max(1, left // len(turn))
-            counts = dict(zip(turn, [share] * len(turn), strict=True))
-            # Never more than asked: the first lanes take the shares that fit.
-            while sum(counts.values()) > left:
-                counts.popitem()
-            got = self._take(counts)
-            entries += got
-            left -= len(got)
-            taken = {s: sum(e.stream == s for e in got) for s in counts}
-            turn = [s for s in counts if taken[s] == counts[s]]
+        fair = [s for s in order.fair if sizes[s] > 0]
+        if fair:
+            entries += self._oldest(fair, left, None)
+            left = count - len(entries)
         stealable = [s for s in order.stealable if sizes[s] > 0]
         if left > 0 and stealable:
-            entries += self._steal(stealable, left, steal_after_ms)
-        return entries
+            entries += self._oldest(stealable, left, int(time.time() * 1000) - steal_after_ms)
+        urgent = [e for e in entries if e.stream == order.urgent]
+        return urgent + sorted((e for e in entries if e.stream != order.urgent), key=_arrival)
 
-    def _steal(self, lanes: list[str], left: int, steal_after_ms: int) -> list[Entry]:
+    def _oldest(self, streams: list[str], left: int, cutoff_ms: int | None) -> list[Entry]:
+        """Up to `left` undelivered entries of `streams`, the oldest first across them (only those
+        added at or before `cutoff_ms` when given): where each stream's next entries are, how old,
+        then the reads."""
         pipe = self.redis.pipeline(transaction=False)
-        for lane in lanes:
-            pipe.xinfo_groups(lane)
-        last_ids: dict[str, str] = {}
-        for lane, groups in zip(lanes, pipe.execute(raise_on_error=False), strict=True):
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        delivered: dict[str, str] = {}
+        for stream, groups in zip(streams, pipe.execute(raise_on_error=False), strict=True):
             if isinstance(groups, Exception):
                 continue
             for group in groups:
                 if as_text(group["name"]) == self.group:
-                    last_ids[lane] = as_text(group["last-delivered-id"])
+                    delivered[stream] = as_text(group["last-delivered-id"])
         pipe = self.redis.pipeline(transaction=False)
-        for lane, last_id in last_ids.items():
-            pipe.xrange(lane, f"({last_id}", "+", count=left)
-        cutoff_ms = int(time.time() * 1000) - steal_after_ms
-        counts: dict[str, int] = {}
-        for lane, waiting in zip(last_ids, pipe.execute(), strict=True):
-            ready = 0
-            for entry_id, _ in waiting:
-                if int(as_text(entry_id).split("-")[0]) > cutoff_ms:
+        for stream, last_id in delivered.items():
+            pipe.xrange(stream, f"({last_id}", "+", count=left)
+        waiting: list[tuple[tuple[int, int], str]] = []
+        for stream, found in zip(delivered, pipe.execute(), strict=True):
+            for entry_id, _ in found:
+                stamp = _stamp(as_text(entry_id))
+                if cutoff_ms is not None and stamp[0] > cutoff_ms:
                     break
-                ready += 1
-            ready = min(ready, left - sum(counts.values()))
-            if ready > 0:
-                counts[lane] = ready
+                waiting.append((stamp, stream))
+        waiting.sort()
+        counts: dict[str, int] = {}
+        for _, stream in waiting[:left]:
+            counts[stream] = counts.get(stream, 0) + 1
         return self._take(counts) if counts else []
 
 

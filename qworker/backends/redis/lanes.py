@@ -7,9 +7,9 @@ producer that knows no lanes) on the stream itself, which every worker reads as 
 lane has one owner among the live workers, by rendezvous hashing: the worker with the highest
 `hash(worker, lane)` owns it, so a worker joining or leaving moves only the lanes it takes or
 gives up (about 1/N of them). A worker reads, most urgent first: the priority lane, then its own
-lanes and the stream (one entry from each in turn), then, with room left, the other lanes'
-entries that have waited `steal_after_s` (work stealing: no job waits long behind a busy or dead
-owner). With L = 1 there are no lanes and no owners: the stream and its priority lane, as before.
+lanes and the stream (the oldest entries first across them), then, with room left, the other
+lanes' entries that have waited `steal_after_s`, the oldest first (work stealing: no job waits
+long behind a busy or dead owner). With L = 1 there are no lanes and no owners: the stream and its priority lane, as before.
 
 Pure: names, message ids and ownership. The reads are in streams.py.
 """
@@ -109,8 +109,8 @@ class QueueStreams:
 
 @dataclass(frozen=True)
 class ReadingOrder:
-    """Which streams a worker reads, in its order: `first` in turn (the priority lane before the
-    rest), then `stealable` only for entries that have waited."""
+    """Which streams a worker reads, in its order: `urgent` (the priority lane), then `fair` (its
+    own lanes and the shared stream), then `stealable` only for entries that have waited."""
 
     urgent: str
     fair: tuple[str, ...]
