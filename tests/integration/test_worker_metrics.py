@@ -133,7 +133,8 @@ def test_metrics_and_readiness_of_a_worker_process(url, tiny_model_dir, tmp_path
         first = wait_until(lambda: http_status(port, "/readyz"), 60, "the metrics port")
         is_ready_line = "worker metrics-w ready" in log_path.read_text()
         assert first == 503 and not is_ready_line, log_path.read_text()[-2000:]
-        assert http_status(port, "/healthz") == 200
+        # While torch is imported the one-thread server may answer slowly: a miss is retried.
+        assert wait_until(lambda: http_status(port, "/healthz"), 30, "/healthz") == 200
 
         # No URL on the command line: `ps` shows no password.
         cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().decode()
