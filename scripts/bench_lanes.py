@@ -58,7 +58,9 @@ def time_leases(url: str, num_calls: int, *, with_jobs: bool) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lanes", default="1,8,64,256")
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()

@@ -384,8 +384,7 @@ class Soak:
             # Which jobs, to look them up in the workers' logs under the out folder.
             self.log(f"duplicated jobs: {', '.join(duplicated[:20])}")
         pending = sum(
-            int(r.xpending(stream, "g")["pending"]) + int(r.xlen(stream))
-            for stream in self.streams.all
+            int(r.xpending(stream, "g")["pending"]) + int(r.xlen(stream)) for stream in self.streams.all
         )
         dead = int(r.xlen(constants.dead_letter_stream(self.stream)))
         memory = self.check_memory()

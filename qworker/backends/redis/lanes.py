@@ -9,7 +9,8 @@ lane has one owner among the live workers, by rendezvous hashing: the worker wit
 gives up (about 1/N of them). A worker reads, most urgent first: the priority lane, then its own
 lanes and the stream (the oldest entries first across them), then, with room left, the other
 lanes' entries that have waited `steal_after_s`, the oldest first (work stealing: no job waits
-long behind a busy or dead owner). With L = 1 there are no lanes and no owners: the stream and its priority lane, as before.
+long behind a busy or dead owner). With L = 1 there are no lanes and no owners: the stream and
+its priority lane, as before.
 
 Pure: names, message ids and ownership. The reads are in streams.py.
 """
