@@ -128,6 +128,16 @@ class EngineConfig:
         },
     )
 
+    disable_additional_properties: bool = field(
+        default=True,
+        metadata={
+            "help": "Structured output: JSON objects that name their properties allow no others "
+            "unless the schema says additionalProperties, as vLLM's default (xgrammar) grammar; off "
+            "follows JSON Schema literally (unnamed properties allowed). A request's "
+            "structured_outputs.disable_additional_properties overrides it"
+        },
+    )
+
     enable_lora: bool = field(
         default=False,
         metadata={

@@ -97,7 +97,10 @@ class LLMEngine:
         )
         # Grammars of structured-output requests; such a request waits there until it compiles.
         self.structured = StructuredOutputManager(
-            tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+            tokenizer,
+            self.model_config.vocab_size,
+            sorted(self.eos_token_ids),
+            disable_additional_properties=config.disable_additional_properties,
         )
         self.output_processor = OutputProcessor(tokenizer, self.structured)
         self.input_processor = InputProcessor(

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from qworker.engine.structured.closed_objects import close_objects
 from qworker.engine.structured.spec import StructuredOutputError, StructuredOutputs
 
 
@@ -60,11 +61,22 @@ class _LLGuidanceGrammar:
 
 class LLGuidanceBackend:
     """llguidance over a Hugging Face fast tokenizer. Building the backend's tokenizer takes
-    about a second (SmolLM2's 49,152 tokens), so it is built once, by the first compile."""
+    about a second (SmolLM2's 49,152 tokens), so it is built once, by the first compile.
+
+    `disable_additional_properties`: close JSON objects (closed_objects.py) for specs that do not
+    say; llguidance's JSON compiler has no switch for it, so the schema is rewritten first."""
 
     name = "llguidance"
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        disable_additional_properties: bool = True,
+    ) -> None:
+        self.disable_additional_properties = disable_additional_properties
         self._hf_tokenizer = hf_tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
@@ -103,7 +115,11 @@ class LLGuidanceBackend:
                     options["whitespace_flexible"] = False
                 if spec.whitespace_pattern is not None:
                     options["whitespace_pattern"] = spec.whitespace_pattern
-                return LLMatcher.grammar_from_json_schema(json.dumps(spec.json), overrides=options or None)
+                schema = spec.json
+                closing = spec.disable_additional_properties
+                if closing if closing is not None else self.disable_additional_properties:
+                    schema = close_objects(schema)
+                return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options or None)
             if spec.regex is not None:
                 return LLMatcher.grammar_from_regex(spec.regex)
             if spec.choice is not None:

@@ -32,9 +32,18 @@ class StructuredOutputManager:
     """Compiles constraints off the step thread and makes each completion's GrammarState.
 
     `enable_fast_forward`: where the grammar allows exactly one next token, append it without
-    sampling (the next step computes it with the others as a prefill chunk)."""
+    sampling (the next step computes it with the others as a prefill chunk).
+    `disable_additional_properties`: the engine's default for JSON specs that do not say."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        disable_additional_properties: bool = True,
+    ) -> None:
+        self.disable_additional_properties = disable_additional_properties
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
@@ -50,7 +59,12 @@ class StructuredOutputManager:
                 raise StructuredOutputError(
                     "structured_outputs needs the model's tokenizer; this engine has none"
                 )
-            backend = LLGuidanceBackend(self._tokenizer, self._vocab_size, self._eos_token_ids)
+            backend = LLGuidanceBackend(
+                self._tokenizer,
+                self._vocab_size,
+                self._eos_token_ids,
+                disable_additional_properties=self.disable_additional_properties,
+            )
             self._compiler = GrammarCompiler(backend)
         return self._compiler
 

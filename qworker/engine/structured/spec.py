@@ -87,6 +87,10 @@ class StructuredOutputs:
     - `grammar`: a Lark grammar (llguidance's dialect) or a GBNF/EBNF grammar.
     - `disable_any_whitespace`: JSON without free whitespace between tokens (compact output);
       `whitespace_pattern`: a regex for that whitespace instead. JSON only.
+    - `disable_additional_properties`: true, objects that name their properties allow no others
+      unless the schema says `additionalProperties` (closed_objects.py); false, the schema is
+      followed as JSON Schema reads it (unnamed properties allowed); none, the engine's
+      `disable_additional_properties` (true unless set). JSON only.
 
     A missing constraint, two constraints, or an unknown key raise StructuredOutputError.
     """
@@ -97,6 +101,7 @@ class StructuredOutputs:
     grammar: str | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    disable_additional_properties: bool | None = None
 
     @classmethod
     def from_value(cls, value: Any) -> StructuredOutputs:
@@ -165,6 +170,11 @@ class StructuredOutputs:
                 _refuse("whitespace_pattern", "is longer than 1000 characters")
         if self.json is None and (self.disable_any_whitespace or self.whitespace_pattern is not None):
             _refuse("disable_any_whitespace", "whitespace options apply to json only")
+        closing = self.disable_additional_properties
+        if closing is not None and not isinstance(closing, bool):
+            _refuse("disable_additional_properties", f"must be true, false or null, got {closing!r}")
+        if self.json is None and closing is not None:
+            _refuse("disable_additional_properties", "applies to json only")
         # The canonical text is also the cache key; computing it now checks the size once.
         key = self.cache_key
         if len(key) > MAX_CONSTRAINT_CHARS + 200:
@@ -183,7 +193,11 @@ class StructuredOutputs:
             body: Any = getattr(self, self.kind)
             if self.choice is not None:
                 body = list(self.choice)
-            options = [self.disable_any_whitespace, self.whitespace_pattern]
+            options = [
+                self.disable_any_whitespace,
+                self.whitespace_pattern,
+                self.disable_additional_properties,
+            ]
             cached = json.dumps([self.kind, body, options], sort_keys=True, separators=(",", ":"))
             object.__setattr__(self, "_cache_key", cached)
         return cached
@@ -197,4 +211,6 @@ class StructuredOutputs:
             out["disable_any_whitespace"] = True
         if self.whitespace_pattern is not None:
             out["whitespace_pattern"] = self.whitespace_pattern
+        if self.disable_additional_properties is not None:
+            out["disable_additional_properties"] = self.disable_additional_properties
         return out
