@@ -470,6 +470,12 @@ def decode_job(body: bytes, job_id: str) -> Job:
 
     Raises JobDecodeError with a message that says what to fix.
     """
+    return job_of_fields(read_job_fields(body, job_id), job_id)
+
+
+def read_job_fields(body: bytes, job_id: str) -> dict[str, Any]:
+    """A job body's JSON object, with `job_id` as its id (any kind of job: pooling_job.py reads its
+    `task`). Raises JobDecodeError: too large, not JSON, not an object, another id."""
     if len(body) > MAX_JOB_BYTES:
         raise JobDecodeError(
             "JobTooLarge",
@@ -487,7 +493,11 @@ def decode_job(body: bytes, job_id: str) -> Job:
         raise JobDecodeError(
             "ValidationError", f"job id {data['id']!r} differs from its envelope id {job_id!r}"
         )
-    data = {**data, "id": job_id}
+    return {**data, "id": job_id}
+
+
+def job_of_fields(data: dict[str, Any], job_id: str) -> Job:
+    """A generation job from `read_job_fields`' object (validated; a derived seed when sampled)."""
     try:
         job = Job.model_validate(data)
     except ValidationError as exc:

@@ -7,10 +7,16 @@ import sys
 from pathlib import Path
 
 from qworker.jobs.job import Job, JobResult
+from qworker.jobs.pooling_job import PoolingJob
 
 
 def schemas() -> dict[str, dict]:
-    return {"job.schema.json": Job.model_json_schema(), "result.schema.json": JobResult.model_json_schema()}
+    return {
+        "job.schema.json": Job.model_json_schema(),
+        # A body with a `task` field (embed, classify, score): docs/pooling.md.
+        "pooling_job.schema.json": PoolingJob.model_json_schema(),
+        "result.schema.json": JobResult.model_json_schema(),
+    }
 
 
 def render(schema: dict) -> str:

@@ -123,13 +123,25 @@ def completion_result(
     )
 
 
+class PooledOutput(BaseModel):
+    """One input's pooled output (a pooling job's, jobs/pooling_job.py): the embedding, the class
+    probabilities (or logits), or the score as one value; floats, or base64 of little-endian
+    float32 (the job's `encoding_format`). `index` is the input's place in the job."""
+
+    index: int
+    data: list[float] | str
+    # The input's tokens (after truncate_prompt_tokens): its share of usage.prompt_tokens.
+    num_prompt_tokens: int = 0
+
+
 class JobResult(BaseModel):
     """The one stored outcome of a job.
 
     `text`, `token_ids`, `finish_reason` and `logprobs` are completion 0's; a job with
     `params.n > 1` also lists every completion in `outputs`. `prompt_logprobs` has one entry per
     prompt token (None for the first), and `prompt_token_ids` the tokens they score, when
-    `params.prompt_logprobs` is set.
+    `params.prompt_logprobs` is set. A pooling job's vectors are in `pooled`, in input order
+    (usage counts their prompt tokens; `text` and the token fields stay empty).
     """
 
     id: str
@@ -142,6 +154,7 @@ class JobResult(BaseModel):
     # Set with prompt_logprobs: the tokens they score (the first has no logprob).
     prompt_token_ids: list[int] | None = None
     outputs: list[CompletionResult] | None = None
+    pooled: list[PooledOutput] | None = None
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
     error: JobError | None = None
