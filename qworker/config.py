@@ -40,6 +40,36 @@ class SchedulingPolicy(str, Enum):
     PRIORITY = "priority"
 
 
+class RunnerKind(str, Enum):
+    """vLLM's --runner: what the engine serves (docs/pooling.md)."""
+
+    # generate and pooling tasks, as far as the checkpoint can do them
+    AUTO = "auto"
+    GENERATE = "generate"
+    POOLING = "pooling"
+
+
+class ConvertKind(str, Enum):
+    """vLLM's --convert: how a checkpoint is used for pooling (docs/pooling.md)."""
+
+    # from the checkpoint: a *ForCausalLM embeds, a *ForSequenceClassification classifies
+    AUTO = "auto"
+    # no pooling adapter: a *ForCausalLM only generates
+    NONE = "none"
+    # pooled hidden states, whatever the checkpoint's head
+    EMBED = "embed"
+    # a *ForCausalLM as a yes/no classifier (Qwen3-Reranker): score = softmax([no, yes])[yes]
+    CLASSIFY = "classify"
+
+
+class PoolingType(str, Enum):
+    """Which hidden states an embedding is made of (vLLM's pooler_config.pooling_type)."""
+
+    LAST = "LAST"
+    MEAN = "MEAN"
+    CLS = "CLS"
+
+
 @dataclass
 class EngineConfig:
     """Engine settings. Names follow vLLM's engine arguments where one exists."""
@@ -160,8 +190,36 @@ class EngineConfig:
         },
     )
 
+    runner: RunnerKind = field(
+        default=RunnerKind.AUTO,
+        metadata={
+            "help": "auto: every task the checkpoint can do; generate: generation only; pooling: "
+            "embed/classify/score only, as vLLM's --runner (docs/pooling.md)"
+        },
+    )
+    convert: ConvertKind = field(
+        default=ConvertKind.AUTO,
+        metadata={
+            "help": "auto: from the checkpoint's architecture; none: no pooling; embed: pooled "
+            "hidden states; classify: a causal LM's yes/no logits as a score (Qwen3-Reranker), "
+            "as vLLM's --convert (docs/pooling.md)"
+        },
+    )
+    pooling_type: PoolingType = field(
+        default=PoolingType.LAST,
+        metadata={"help": "Embeddings: LAST (the last token), MEAN (all tokens) or CLS (the first)"},
+    )
+    pooling_normalize: bool = field(
+        default=True,
+        metadata={"help": "Embeddings: L2-normalised unless a request's normalize says otherwise"},
+    )
+
     def __post_init__(self) -> None:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
+        self.runner = RunnerKind(self.runner)
+        self.convert = ConvertKind(self.convert)
+        if not isinstance(self.pooling_type, PoolingType):
+            self.pooling_type = PoolingType(str(self.pooling_type).upper())  # "mean" as vLLM's "MEAN"
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -23,6 +23,12 @@ class InvalidParamsError(InvalidRequestError):
     """A sampling parameter outside its allowed range."""
 
 
+class UnsupportedTaskError(InvalidRequestError):
+    """A request for a task (generate, embed, classify, score) that the engine's model cannot do
+    as configured (its checkpoint, --runner, --convert). The message names the model, the task and
+    the tasks it supports."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus at least one generated token) does not fit in the model's context."""
 

@@ -86,19 +86,26 @@ class InputProcessor:
             ids = ids["input_ids"]
         return list(ids)
 
-    def validate_prompt_token_ids(self, token_ids: list[int]) -> None:
+    def validate_prompt_token_ids(self, token_ids: list[int], *, prefill_only: bool = False) -> None:
+        """`prefill_only`: a pooling request, which generates nothing, so its prompt may fill the
+        context and needs no block for a next token."""
         if not token_ids:
             raise InvalidRequestError("prompt is empty (no tokens)")
         vocab = self.model_config.vocab_size
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
+        if prefill_only and len(token_ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"input has {len(token_ids)} tokens; the model's context is {self.max_model_len} "
+                "(truncate_prompt_tokens keeps the last ones)"
+            )
+        if not prefill_only and len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
-        blocks = cdiv(len(token_ids) + 1, self.config.block_size)
+        blocks = cdiv(len(token_ids) + (0 if prefill_only else 1), self.config.block_size)
         if blocks > self.num_kv_blocks:
             raise PromptTooLongError(
                 f"prompt of {len(token_ids)} tokens needs {blocks} KV blocks; "

@@ -1,11 +1,22 @@
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine, Prompt
-from qworker.engine.outputs import RequestOutput
+from qworker.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from qworker.engine.pooling_params import PoolingParams
 from qworker.engine.sampling_params import SamplingParams
 from qworker.lora.request import LoRARequest
 
@@ -91,10 +102,123 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    # -- pooling (docs/pooling.md) -------------------------------------------------------------
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (prefill only); outputs in the order of `prompts`. The task is the
+        params' (embed unless they say otherwise); `truncate_prompt_tokens` sets theirs where
+        they have none."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]  # one prompt of token ids
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                p
+                if p.truncate_prompt_tokens is not None
+                else dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                self._counter += 1
+                request_ids.append(engine.add_request(f"pool-{self._counter}", prompt, params))
+            outputs = self._run(request_ids, use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort(request_id)
+            raise
+        assert all(isinstance(o, PoolingRequestOutput) for o in outputs)
+        return outputs  # type: ignore[return-value]  # checked above
+
+    def _encode_task(
+        self,
+        task: str,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None,
+        use_tqdm: bool,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingRequestOutput]:
+        params = pooling_params if pooling_params is not None else PoolingParams(task=task)  # type: ignore[arg-type]
+        if params.task != task:
+            params = dataclasses.replace(params, task=task)  # type: ignore[arg-type]
+        return self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), as vLLM's LLM.embed."""
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.outputs.data.tolist()))
+            for o in self._encode_task("embed", prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        ]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`; logits with use_activation=False)."""
+        return [
+            ClassificationRequestOutput(
+                o.request_id, o.prompt_token_ids, ClassificationOutput(o.outputs.data.tolist())
+            )
+            for o in self._encode_task("classify", prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """One relevance score per (query, document) pair (`.outputs.score`), as vLLM's LLM.score:
+        one query against each document, or the two lists pairwise."""
+        queries = [data_1] if isinstance(data_1, str) else list(data_1)
+        documents = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        if len(queries) != len(documents) or not documents:
+            raise ValueError(
+                f"score takes 1 or {len(documents)} queries for {len(documents)} documents, "
+                f"got {len(queries)}"
+            )
+        engine = self.llm_engine
+        prompts = [
+            {"prompt_token_ids": engine.score_prompt(q, d)} for q, d in zip(queries, documents, strict=True)
+        ]
+        return [
+            ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(o.outputs.data[0])))
+            for o in self._encode_task("score", prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        ]
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
         pending = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         progress = None
         if use_tqdm:
             from tqdm.auto import tqdm

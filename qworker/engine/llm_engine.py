@@ -14,13 +14,17 @@ from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.output_processor import OutputProcessor
 from qworker.engine.outputs import RequestOutput, StepOutput
 from qworker.engine.parallel_sampling import ParentRequest, child_id, child_params
+from qworker.engine.pooling_params import PoolingParams
+from qworker.engine.pooling_requests import PoolingRequests
 from qworker.engine.request import Request, RequestStatus
 from qworker.engine.resume import ResumeFrom, resume_problem
 from qworker.engine.runner import ModelRunner
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler import Scheduler
+from qworker.engine.score_prompt import score_prompt_ids
 from qworker.engine.structured import StructuredOutputs
 from qworker.engine.structured.manager import StructuredOutputManager
+from qworker.engine.tasks import ModelTasks
 from qworker.errors import EngineStepError, InvalidRequestError, ResumeRefusedError
 from qworker.lora.manager import LoRAManager, WaitingForAdapter
 from qworker.lora.request import LoRARequest
@@ -106,6 +110,15 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             tokenizer, config, self.model_config, self.max_model_len, self.runner.num_kv_blocks
         )
+        # What this model serves (generate, embed, classify, score: engine/tasks.py).
+        self.tasks = ModelTasks.resolve(config, self.model_config, hf_config, tokenizer)
+        self.pooling = PoolingRequests(
+            self.tasks,
+            self.input_processor,
+            hidden_size=self.model_config.hidden_size,
+            max_model_len=self.max_model_len,
+            default_normalize=config.pooling_normalize,
+        )
         # n > 1 requests: their children are requests of their own in the scheduler.
         self._parallel = self.output_processor.parallel
         self.num_steps = 0
@@ -155,11 +168,24 @@ class LLMEngine:
     def validate_prompt_token_ids(self, token_ids: list[int]) -> None:
         self.input_processor.validate_prompt_token_ids(token_ids)
 
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """A subset of ("generate", "embed", "classify", "score"): from the checkpoint and the
+        runner/convert options (engine/tasks.py, docs/pooling.md)."""
+        return self.tasks.supported
+
+    def score_prompt(self, query: str, document: str) -> list[int]:
+        """The one sequence a score request runs for (query, document), in this model's form: a
+        cross-encoder's text pair or Qwen3-Reranker's yes/no prompt (engine/score_prompt.py)."""
+        self.tasks.check("score")
+        assert self.tasks.classifier_head is not None, "score is supported without a head"
+        return score_prompt_ids(self.tokenizer, self.tasks.classifier_head, query, document)
+
     def add_request(
         self,
         request_id: str | None,
         prompt: Prompt,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
@@ -179,18 +205,31 @@ class LLMEngine:
         (engine/resume.py): they are prefilled with the prompt and count as output, only new
         tokens are emitted, and the final output holds them all. ResumeRefusedError says the
         request cannot continue from them (the caller may add it again without `resume`).
+
+        With `params` a PoolingParams, `prompt` is one input (text or token ids), run prefill
+        only; its finished StepOutput carries a PoolingRequestOutput (docs/pooling.md). A task
+        the model cannot do raises UnsupportedTaskError.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise InvalidRequestError(
+                f"params must be SamplingParams or PoolingParams, got {type(params).__name__}"
+            )
         request_id = request_id or uuid.uuid4().hex
         if (
             request_id in self.output_processor
             or request_id in self._parallel
             or request_id in self.structured.waiting
             or (self.lora is not None and request_id in self.lora)
+            or request_id in self.pooling
         ):
             raise InvalidRequestError(f"request id {request_id!r} is already in the engine")
+        if isinstance(params, PoolingParams):
+            if lora_request is not None or resume is not None:
+                raise InvalidRequestError("pooling requests take no LoRA adapter and do not resume")
+            self.scheduler.add_request(self.pooling.new_request(request_id, prompt, params, priority))
+            return request_id
+        self.tasks.check("generate")
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
                 raise InvalidRequestError(
@@ -370,6 +409,10 @@ class LLMEngine:
                 if child_output is not None:
                     parent.outputs[index] = child_output
             return parent.output() if parent.outputs else None
+        if request_id in self.pooling:
+            self.pooling.drop(request_id)
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            return None  # a pooling request has no partial output
         if request_id not in self.output_processor:
             return None
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -422,6 +465,10 @@ class LLMEngine:
             result = self.runner.execute(plan)
             self.num_steps += 1
             updates = self.scheduler.update_from_output(plan, result)
+            for request_id, pooled in result.pooled.items():
+                finished = self.pooling.finish(request_id, pooled)
+                if finished is not None:
+                    outputs.append(finished)
             outputs.extend(processor.process(updates, self.scheduler, time.time()))
             self._release_prefilled_children()
         except Exception as exc:

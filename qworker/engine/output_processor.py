@@ -88,7 +88,10 @@ class OutputProcessor:
 
     def mark_scheduled(self, plan: SchedulerOutput, now: float) -> None:
         for item in plan.scheduled:
-            metrics = self._states[item.request_id].metrics
+            state = self._states.get(item.request_id)
+            if state is None:
+                continue  # a pooling request: the engine keeps its own (engine/pooling_requests.py)
+            metrics = state.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
 

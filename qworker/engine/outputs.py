@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class RequestMetrics:
@@ -70,6 +72,76 @@ class RequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """A pooling request's vector (vLLM's PoolingOutput): 1-D float32 on the CPU, the embedding,
+    the class probabilities (or logits), or the score as one element."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (embed, classify, score), as vLLM's PoolingRequestOutput."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool
+    num_cached_tokens: int = 0
+    error: RequestError | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    # Class probabilities (softmax; sigmoid for one label), or logits with use_activation=False.
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """LLM.classify's result per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result per (query, document) pair (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class StepOutput:
     """What one engine step produced for one request."""
 
@@ -78,5 +150,6 @@ class StepOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None = None
-    # Set when finished: the whole result.
-    output: RequestOutput | None = field(default=None, repr=False)
+    # Set when finished: the whole result (a PoolingRequestOutput for a pooling request, which
+    # has no tokens and no text).
+    output: RequestOutput | PoolingRequestOutput | None = field(default=None, repr=False)

@@ -25,6 +25,7 @@ from qworker.model.attention import AttentionMetadata, select_attention_backend
 from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderForCausalLM
 from qworker.model.ops import select_model_ops
+from qworker.model.pooler import Pooler, PoolingChunk
 from qworker.model.weights import load_checkpoint
 from qworker.utils import cdiv
 
@@ -174,6 +175,8 @@ class ModelRunner:
             cdiv(max_model_len, self.block_size),
             keep_token_ids=self.model.config.longrope_original_len is not None,
         )
+        # Pooling requests' kept rows and sums across their chunks (qworker/model/pooler.py).
+        self.pooler = Pooler(self.model, self.device)
         self.sampler = Sampler(tuple(sorted(eos_token_ids)), seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._decode_graphs: DecodeCudaGraphs | None = None
@@ -247,11 +250,15 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self.input_batch.remove(request_id)
             self._generators.pop(request_id, None)
+            self.pooler.drop(request_id)
         for request_id in plan.preempted_request_ids:
             # Its generator stays: a seeded request resumes its random stream where it was.
             self.input_batch.remove(request_id)
+            self.pooler.drop(request_id)  # recomputed from its first token
         for new in plan.new_requests:
             self.input_batch.add(new)
+            if new.pooling is not None:
+                self.pooler.start(new.request_id, new.pooling)
         if plan.lora_loads:
             assert self.lora is not None, "a plan fills LoRA slots on an engine without enable_lora"
             for slot, adapter in plan.lora_loads:
@@ -348,7 +355,19 @@ class ModelRunner:
             if num_tokens != num_seqs:
                 token_slots = token_slots[seq_of_token]
             lora_meta = build_step_meta(token_slots, self.lora.max_loras, device)
+        pooling_chunks = [
+            PoolingChunk(
+                item.request_id,
+                int(query_start_loc[row]),
+                item.start_position,
+                len(item.token_ids),
+                item.num_tokens,
+            )
+            for row, item in enumerate(items)
+            if item.request_id in self.pooler
+        ]
         return StepInputs(
+            pooling=self.pooler.plan(pooling_chunks),
             lora=lora_meta,
             input_ids=torch.from_numpy(input_ids).to(device),
             positions=torch.from_numpy(positions).to(device),
@@ -395,6 +414,8 @@ class ModelRunner:
             for request_id, _, count in inputs.prompt_logprobs_rows:
                 output.prompt_logprobs[request_id] = scored[start : start + count]
                 start += count
+        if inputs.pooling is not None:
+            output.pooled = self.pooler.pool(hidden, inputs.pooling)
         if not inputs.sampled_requests:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

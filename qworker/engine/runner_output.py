@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from qworker.engine.sampler import PositionLogprobs
 
 
@@ -16,3 +18,5 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Pooling requests whose last chunk ran: the pooler's head output, 1-D float32 on the CPU.
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
+# Pooling requests looked at together for packing (the waiting queue's head, at most this many).
+MAX_PACKING_WINDOW = 1024
+
 
 class Scheduler:
     """Iteration-level scheduler: decode first, then prefill chunks, preempt newest on OOM.
@@ -174,7 +177,8 @@ class Scheduler:
                     token_ids=request.token_ids[start:end],
                     start_position=start,
                     block_ids=list(block_ids),
-                    needs_sample=end == request.num_tokens,
+                    # A pooling request samples nothing: the runner pools its last chunk.
+                    needs_sample=end == request.num_tokens and request.pooling is None,
                     num_tokens=request.num_tokens,
                 )
             )
@@ -235,16 +239,21 @@ class Scheduler:
         # After a preemption nothing new joins this step: the pool is already short.
         lora_loads: list[tuple[int, object]] = []
         passed_over: list[tuple[tuple[int, int], str]] = []  # waiting for a LoRA slot
+        # Pooling requests taken off the heap to pack this step, in the order to admit them.
+        packing: list[tuple[tuple[int, int], str]] = []
         while token_budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self._peek_waiting()
+            request = self.requests[packing[0][1]] if packing else self._peek_waiting()
             if request is None:
                 break
             lora = request.lora_request
             if lora is not None and self.lora is not None and not self.lora.can_acquire(lora.lora_int_id):
                 passed_over.append(heapq.heappop(self._waiting))
                 continue
-            # Cached tokens produce no logits: a request scoring its prompt computes all of it.
-            if request.sampling_params.prompt_logprobs is not None:
+            # Cached tokens produce no logits: a request scoring its prompt computes all of it,
+            # and so does a pooling request that pools more than its last token (mean, CLS).
+            if request.sampling_params.prompt_logprobs is not None or (
+                request.pooling is not None and request.pooling.needs_every_position(request.num_tokens)
+            ):
                 cached_prefix = CachedPrefix()
             else:
                 cached_prefix = manager.find_cached_prefix(request)
@@ -259,7 +268,10 @@ class Scheduler:
             block_ids = manager.allocate_slots(request, num_new_tokens, cached_prefix)
             if block_ids is None:
                 break
-            heapq.heappop(self._waiting)
+            if packing:
+                packing.pop(0)
+            else:
+                heapq.heappop(self._waiting)
             lora_slot = -1
             if lora is not None and self.lora is not None:
                 lora_slot, load = self.lora.acquire(lora.lora_int_id)
@@ -279,11 +291,14 @@ class Scheduler:
                     num_scored_prompt_tokens=len(request.prompt_logprobs),
                     num_resumed_tokens=request.num_resumed_tokens,
                     lora_slot=lora_slot,
+                    pooling=request.pooling,
                 )
             )
             take(request, num_new_tokens, block_ids)
             token_budget -= num_new_tokens
-        for entry in passed_over:
+            if request.pooling is not None and not packing and token_budget > 0:
+                packing = self._pooling_to_pack(token_budget)
+        for entry in (*passed_over, *packing):
             heapq.heappush(self._waiting, entry)
 
         finished = self._finished_since_last_plan
@@ -299,6 +314,34 @@ class Scheduler:
             self._grammar_rows(scheduled),
             lora_loads,
         )
+
+    def _pooling_to_pack(self, token_budget: int) -> list[tuple[tuple[int, int], str]]:
+        """Packing: the pooling requests waiting at the head of the queue (up to the first request
+        that is not one, so that FCFS holds between pooling and generation), taken off the heap in
+        the order to admit them: the shortest first while their whole prompts fit in the budget
+        (more requests in fewer, fuller steps), then the others oldest first (the next one takes
+        the rest of the budget as a chunk). The caller pushes back those it does not admit."""
+        window: list[tuple[tuple[int, int], str]] = []
+        room = min(self.max_num_seqs - len(self.running), MAX_PACKING_WINDOW)
+        while self._waiting and len(window) < room:
+            request_id = self._waiting[0][1]
+            request = self.requests.get(request_id)
+            if request is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                heapq.heappop(self._waiting)  # aborted: a stale entry
+                continue
+            if request.pooling is None or request.lora_request is not None:
+                break
+            window.append(heapq.heappop(self._waiting))
+        by_length = sorted(window, key=lambda entry: (self.requests[entry[1]].num_tokens, entry[0]))
+        packed: list[tuple[tuple[int, int], str]] = []
+        for entry in by_length:
+            num_tokens = self.requests[entry[1]].num_tokens
+            if num_tokens > token_budget:
+                break
+            packed.append(entry)
+            token_budget -= num_tokens
+        taken = set(packed)
+        return [*packed, *(entry for entry in window if entry not in taken)]
 
     def _grammar_rows(self, scheduled: list[ScheduledRequest]) -> GrammarRows | None:
         """The masks of the constrained requests among those the step samples."""
@@ -340,6 +383,9 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens = item.start_position + len(item.token_ids)
             self.kv_cache_manager.cache_blocks(request)
+        for request_id in output.pooled:
+            # Prefill only: done at its last chunk, its blocks freed at once.
+            self.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         for request_id, token_id in output.sampled.items():
             request = self.requests.get(request_id)
             if request is None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from qworker.engine.request import Request
 from qworker.engine.sampling_params import SamplingParams
+from qworker.model.pooler import PoolingSpec
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class NewRequestData:
     num_resumed_tokens: int = 0
     # The device slot of the request's LoRA adapter while it runs (-1: the base model).
     lora_slot: int = -1
+    # A pooling request: what the runner pools at its last chunk (it samples nothing).
+    pooling: PoolingSpec | None = None
 
 
 # Not frozen: one per scheduled request and step, and a frozen dataclass costs 5x to build

@@ -12,6 +12,7 @@ import torch
 
 from qworker.engine.scheduler_output import ScheduledRequest
 from qworker.model.attention import AttentionMetadata
+from qworker.model.pooler import PoolingStep
 
 
 @dataclass
@@ -29,3 +30,5 @@ class StepInputs:
     prompt_logprobs_rows: list[tuple[str, int, int]] = field(default_factory=list)
     # Which tokens run which LoRA slot (qworker.lora.layers.LoRAStepMeta); None: no adapter.
     lora: Any = None
+    # The pooling requests' gathers; None: none in this step.
+    pooling: PoolingStep | None = None

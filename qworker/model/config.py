@@ -102,6 +102,9 @@ class ModelConfig:
     # Gemma multiplies the embeddings by sqrt(hidden_size) (rounded to the model dtype).
     embedding_scale: float | None = None
     moe: MoeConfig | None = None
+    # A *ForSequenceClassification checkpoint: its `score` head's classes, in place of the
+    # lm_head (None: a causal LM).
+    num_labels: int | None = None
 
     def __post_init__(self) -> None:
         assert len(self.layers) == self.num_layers, "one LayerConfig per layer"

@@ -109,9 +109,13 @@ class DecoderForCausalLM(nn.Module):
             RotaryEmbedding(table, config.head_dim, max_positions, ops) for table in config.rope_tables
         )
         self.has_long_rope = any(r.has_long_table for r in self.rotaries)
+        # A sequence classifier has a `score` head [num_labels, hidden] and no lm_head.
+        self.score = (
+            nn.Linear(config.hidden_size, config.num_labels, bias=False) if config.num_labels else None
+        )
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if config.tie_word_embeddings or self.score is not None
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.lm_head_packed = PackedWeight(is_packing_available())
@@ -171,7 +175,22 @@ class DecoderForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the embedding when tied, else the head's own weight."""
+        assert self.score is None, "a sequence classifier has no lm_head"
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_class_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> [N, num_labels], a sequence classifier's `score` head."""
+        assert self.score is not None, "not a sequence classifier"
+        return self.score(hidden)
+
+    def compute_token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> [N, len(token_ids)]: the logits of those tokens only (a yes/no
+        reranker reads two), soft-capped as compute_logits caps them."""
+        logits = hidden @ self.lm_head_weight[token_ids].T
+        cap = self.config.final_logit_soft_cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] in the model dtype, as transformers computes them. Not

@@ -4,6 +4,7 @@ qworker.model.families and one line here; the decoder, runner, scheduler and KV 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,4 +37,14 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; qworker runs {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return build(hf_config)
+    config = build(hf_config)
+    if is_sequence_classifier(hf_config):
+        config = dataclasses.replace(config, num_labels=int(hf_config.num_labels))
+    return config
+
+
+def is_sequence_classifier(hf_config: Any) -> bool:
+    """A *ForSequenceClassification checkpoint (a `score` head on the last non-pad token, as
+    transformers runs it), by its config's architectures."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    return any(str(name).endswith("ForSequenceClassification") for name in architectures)
