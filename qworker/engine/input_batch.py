@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qworker.engine.penalties import LogitsAdjustments
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.scheduler_output import NewRequestData, ScheduledRequest
 
@@ -25,10 +26,18 @@ class CachedRequestState:
     # Prompt positions scored so far (prompt_logprobs): a recompute after preemption skips them.
     num_scored_prompt_tokens: int
     # Every token the runner has seen for this request; kept only where a step needs the whole
-    # sequence (longrope's recompute past its original context), else None.
+    # sequence (longrope's recompute past its original context, penalties and bad words that
+    # read the output), else None.
     token_ids: list[int] | None
     # Output tokens an earlier run generated (NewRequestData.num_resumed_tokens).
     num_resumed_tokens: int = 0
+    # The sampler's logit adjustments (engine/penalties.py); None: the request asks for none.
+    adjustments: LogitsAdjustments | None = None
+
+    def output_token_ids(self, num_tokens: int) -> list[int]:
+        """The first `num_tokens - num_prompt_tokens` output tokens (token_ids must be kept)."""
+        assert self.token_ids is not None, f"request {self.request_id}: the runner keeps no token ids"
+        return self.token_ids[self.num_prompt_tokens : num_tokens]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,14 +66,17 @@ class InputBatch:
         assert new.request_id not in self.requests, f"request {new.request_id} already has a row"
         assert self._free_rows, f"no free row for request {new.request_id}"
         row = heapq.heappop(self._free_rows)
+        adjustments = LogitsAdjustments.of(new.sampling_params, new.prompt_token_ids, new.bad_words_token_ids)
+        keep_token_ids = self.keep_token_ids or (adjustments is not None and adjustments.needs_output_tokens)
         state = CachedRequestState(
             request_id=new.request_id,
             row=row,
             prompt_token_ids=new.prompt_token_ids,
             sampling_params=new.sampling_params,
             num_scored_prompt_tokens=new.num_scored_prompt_tokens,
-            token_ids=list(new.token_ids) if self.keep_token_ids else None,
+            token_ids=list(new.token_ids) if keep_token_ids else None,
             num_resumed_tokens=new.num_resumed_tokens,
+            adjustments=adjustments,
         )
         self.requests[new.request_id] = state
         self.lora_slot[row] = new.lora_slot

@@ -14,6 +14,7 @@ from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.output_processor import OutputProcessor
 from qworker.engine.outputs import RequestOutput, StepOutput
 from qworker.engine.parallel_sampling import ParentRequest, child_id, child_params
+from qworker.engine.penalties import bad_words_token_ids
 from qworker.engine.pooling_params import PoolingParams
 from qworker.engine.pooling_requests import PoolingRequests
 from qworker.engine.request import Request, RequestStatus
@@ -25,7 +26,7 @@ from qworker.engine.score_prompt import score_prompt_ids
 from qworker.engine.structured import StructuredOutputs
 from qworker.engine.structured.manager import StructuredOutputManager
 from qworker.engine.tasks import ModelTasks
-from qworker.errors import EngineStepError, InvalidRequestError, ResumeRefusedError
+from qworker.errors import EngineStepError, InvalidParamsError, InvalidRequestError, ResumeRefusedError
 from qworker.lora.manager import LoRAManager, WaitingForAdapter
 from qworker.lora.request import LoRARequest
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
@@ -240,8 +241,11 @@ class LLMEngine:
                     "a LoRA adapter was asked for, but this engine runs without enable_lora"
                 )
         text, token_ids = self.tokenize(prompt)
+        token_ids = self._truncate_prompt(token_ids, params)
         self.validate_prompt_token_ids(token_ids)
         params.check_model_limits(self.model_config.vocab_size)
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidParamsError("bad_words needs the model's tokenizer; this engine has none")
         if resume is not None and resume.token_ids:
             self._check_resume(token_ids, params, resume)
         else:
@@ -282,6 +286,19 @@ class LLMEngine:
             return request_id
         proceed()
         return request_id
+
+    def _truncate_prompt(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); -1 keeps as
+        many as the context holds with one generated token."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        return token_ids[-keep:]
+
+    def _encode_word(self, word: str) -> list[int]:
+        return list(self.tokenizer.encode(word, add_special_tokens=False))
 
     def _check_resume(self, prompt_token_ids: list[int], params: SamplingParams, resume: ResumeFrom) -> None:
         problem = resume_problem(resume, params, eos_token_ids=self.eos_token_ids)
@@ -384,6 +401,11 @@ class LLMEngine:
             priority=priority,
             output_token_ids=output_token_ids,
             lora_request=lora_request,
+            bad_words_token_ids=(
+                bad_words_token_ids(params.bad_words, self._encode_word, self.model_config.vocab_size)
+                if params.bad_words
+                else ()
+            ),
         )
         if params.structured_outputs is not None:
             request.grammar = self.structured.new_state(

@@ -77,6 +77,9 @@ class Request:
     # The adapter the request runs with (None: the base model); its id and files key its cached
     # blocks (kv_cache_manager.py) and it holds a device slot while running (lora/manager.py).
     lora_request: LoRARequest | None = None
+    # The token sequences of sampling_params.bad_words, tokenized by the engine (the runner has
+    # no tokenizer): engine/penalties.py's bad_words_token_ids.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # A pooling request (embed, classify, score): prefill only, never sampled; it finishes when
     # its last chunk ran, with the pooler's vector (its sampling_params are then never read).
     pooling: PoolingSpec | None = None

@@ -424,12 +424,19 @@ class ModelRunner:
         rows = []
         for item in inputs.sampled_requests:
             state = batch_requests[item.request_id]
+            adjustments = state.adjustments
             rows.append(
                 SamplingRow(
                     params=state.sampling_params,
                     # The chunk reaches the last token, so the request has num_tokens now.
                     num_output_tokens=item.num_tokens - state.num_prompt_tokens,
                     generator=self._generator_for(item.request_id, state, vocab_size),
+                    adjustments=adjustments,
+                    output_token_ids=(
+                        state.output_token_ids(item.num_tokens)
+                        if adjustments is not None and adjustments.needs_output_tokens
+                        else ()
+                    ),
                 )
             )
         # Rows asking logprobs: their raw distribution, before the sampler masks logits in place.

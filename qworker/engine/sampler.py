@@ -1,13 +1,20 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from qworker import envs
+from qworker.engine.penalties import (
+    AdjustedRow,
+    LogitsAdjustments,
+    apply_logit_bias_,
+    apply_penalties_,
+    apply_token_masks_,
+)
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.structured.bitmask import apply_token_bitmask_
 
@@ -20,6 +27,10 @@ class SamplingRow:
     num_output_tokens: int
     # Set for requests with a seed: their draws then depend on nothing else in the batch.
     generator: torch.Generator | None
+    # The request's logit adjustments (engine/penalties.py); None: it asks for none.
+    adjustments: LogitsAdjustments | None = None
+    # The tokens generated so far, where adjustments need them (penalties, bad words).
+    output_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -32,6 +43,12 @@ class TokenBitmask:
 
 class Sampler:
     """Greedy, temperature, top-k, top-p and min-p sampling over a batch of logits.
+
+    The order of a step, as vLLM v1's: (1) the structured-output grammar mask; (2) the masks
+    and the bias: allowed_token_ids, bad_words, min_tokens (EOS and stop ids banned), logit_bias;
+    (3) the penalties: repetition, frequency, presence (engine/penalties.py); then (4) greedy
+    rows take the argmax of these logits, and random rows are divided by their temperature and
+    cut by top-k, top-p and min-p before the draw. Logprobs are taken before all of it (raw).
 
     Random rows use the exponential-race trick (argmax of p / Exp(1) noise), so each row draws
     its own noise vector: a seeded row draws from its private generator.
@@ -52,13 +69,25 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: TokenBitmask | None = None
     ) -> list[int]:
         """logits: [N, vocab] float32, or the model's dtype as the lm_head computed them -> N token
-        ids. The grammar masks go first: temperature, top-k/top-p/min-p then see only the tokens
-        the grammar allows. Greedy rows take the argmax of the logits as they are (a bf16 -> fp32
-        copy changes no order); random rows are scaled and drawn in float32."""
+        ids, in the class docstring's order; `logits` is changed in place. Greedy rows take the
+        argmax of the (adjusted) logits (a bf16 -> fp32 copy changes no order); random rows are
+        scaled and drawn in float32. Penalties are computed in float32 and written back in the
+        logits' dtype."""
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} requests"
         if token_bitmask is not None:
             apply_token_bitmask_(logits, token_bitmask.row_index, token_bitmask.bitmask)
+        # A step where no row asks for an adjustment skips them all.
+        adjusted = [
+            AdjustedRow(i, row.adjustments, row.output_token_ids)
+            for i, row in enumerate(rows)
+            if row.adjustments is not None
+        ]
+        if adjusted:
+            apply_token_masks_(logits, adjusted)
         self._apply_min_tokens(logits, rows)
+        if adjusted:
+            apply_logit_bias_(logits, adjusted)
+            apply_penalties_(logits, adjusted)
         greedy = greedy_argmax(logits)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:

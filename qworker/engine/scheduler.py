@@ -291,6 +291,7 @@ class Scheduler:
                     num_scored_prompt_tokens=len(request.prompt_logprobs),
                     num_resumed_tokens=request.num_resumed_tokens,
                     lora_slot=lora_slot,
+                    bad_words_token_ids=request.bad_words_token_ids,
                     pooling=request.pooling,
                 )
             )

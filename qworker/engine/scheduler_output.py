@@ -33,6 +33,8 @@ class NewRequestData:
     lora_slot: int = -1
     # A pooling request: what the runner pools at its last chunk (it samples nothing).
     pooling: PoolingSpec | None = None
+    # The token sequences of sampling_params.bad_words (engine/penalties.py).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 # Not frozen: one per scheduled request and step, and a frozen dataclass costs 5x to build

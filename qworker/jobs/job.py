@@ -225,6 +225,8 @@ def _json_kind(annotation: Any) -> str | None:
         kinds = {annotation}
     elif origin in (typing.Union, types.UnionType):
         kinds = {arg for arg in typing.get_args(annotation) if arg is not type(None)}
+        if len(kinds) == 1:  # optional: the kind of what it holds (allowed_token_ids)
+            return _json_kind(next(iter(kinds)))
     elif origin is list and typing.get_args(annotation) == (int,):
         return "int list"
     else:  # strings or lists of strings: SamplingParams checks them

@@ -26,6 +26,19 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    presence_penalty: float | None = Field(default=None, description="-2 to 2, over the generated tokens")
+    frequency_penalty: float | None = Field(default=None, description="-2 to 2, per occurrence in the output")
+    repetition_penalty: float | None = Field(
+        default=None, description="vLLM's: > 0 (1 is off), over the prompt and the output"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id -> bias in [-100, 100], at most 300 entries"
+    )
+    allowed_token_ids: list[int] | None = Field(default=None, description="vLLM's: only these tokens")
+    bad_words: list[str] | None = Field(default=None, description="vLLM's: words whose tokens are banned")
+    truncate_prompt_tokens: int | None = Field(
+        default=None, description="vLLM's: keep the prompt's last k tokens (-1: as the context allows)"
+    )
     priority: int | None = Field(
         default=None, description="vLLM's priority: lower runs first (the job's priority)"
     )

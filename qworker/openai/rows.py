@@ -51,6 +51,13 @@ PASSTHROUGH_FIELDS = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
 )
 CHAT_FIELDS = frozenset(
     {
@@ -82,10 +89,6 @@ COMMON_FIELDS = frozenset(
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
 # Features qworker does not have: accepted only at the value that means "off".
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
@@ -374,7 +377,8 @@ def sampling_kwargs(body: dict[str, Any], endpoint: Endpoint, echo: bool) -> Map
 def param_of_sampling_error(message: str, body: dict[str, Any], endpoint: Endpoint) -> str | None:
     """The body field a SamplingParams check refused: its message starts with the SamplingParams
     name ("temperature must be >= 0"), spelled here as the body spelled it."""
-    name = message.split(" ", 1)[0]
+    # "logit_bias[42] must be ..." names logit_bias.
+    name = message.split(" ", 1)[0].split("[", 1)[0]
     if name == "max_tokens" and endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
         return "max_completion_tokens"
     if name in ("logprobs", "prompt_logprobs"):

@@ -173,6 +173,28 @@ CASES: list[tuple[str, str, bytes, str | None, int, str, str, str | None, tuple[
         ("temperature",),
     ),
     ("top-p", CHAT, b'{"model": "fake", ' + HI + b', "top_p": 2}', JSON, 400, IRE, IRE, "top_p", ("top_p",)),
+    *[
+        (
+            f"{field}-out-of-range",
+            CHAT,
+            b'{"model": "fake", ' + HI + b', "' + field.encode() + b'": ' + value + b"}",
+            JSON,
+            400,
+            IRE,
+            IRE,
+            field,
+            (field,),
+        )
+        for field, value in (
+            ("presence_penalty", b"2.5"),
+            ("frequency_penalty", b"-3"),
+            ("repetition_penalty", b"0"),
+            ("logit_bias", b'{"12": 100.5}'),
+            ("allowed_token_ids", b"[]"),
+            ("bad_words", b'[""]'),
+            ("truncate_prompt_tokens", b"0"),
+        )
+    ],
     (
         "affinity",
         CHAT,

@@ -78,7 +78,13 @@ def test_openai_and_vllm_names_reach_sampling_params():
             stop_token_ids=[3],
             n=1,
             logprobs=False,
-            frequency_penalty=0,
+            frequency_penalty=0.5,
+            presence_penalty=-1,
+            repetition_penalty=1.1,
+            logit_bias={"5": 10, "7": -100},
+            allowed_token_ids=[5, 7, 9],
+            bad_words=["no"],
+            truncate_prompt_tokens=100,
             user="someone",
         )
     )
@@ -88,6 +94,9 @@ def test_openai_and_vllm_names_reach_sampling_params():
     assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (7, 0.5, 0.9, 11)
     assert (params.stop, params.top_k, params.min_p, params.min_tokens) == (["END"], 5, 0.1, 2)
     assert params.ignore_eos and params.stop_token_ids == [3]
+    assert (params.frequency_penalty, params.presence_penalty, params.repetition_penalty) == (0.5, -1.0, 1.1)
+    assert params.logit_bias == {5: 10.0, 7: -100.0} and params.allowed_token_ids == [5, 7, 9]
+    assert params.bad_words == ["no"] and params.truncate_prompt_tokens == 100
     assert row.num_top_logprobs is None
     assert parse(chat_body(max_tokens=9)).max_tokens == 9
     assert parse(chat_body()).max_tokens is None, "chat without a limit: to the end of the context"
@@ -134,8 +143,10 @@ def test_row_ids_are_derived_from_the_batch_and_the_custom_id():
         (chat_body(max_tokens=0), CHAT, 400, IRE, "max_tokens"),
         (chat_body(min_tokens=9, max_tokens=3), CHAT, 400, IRE, "min_tokens"),
         (chat_body(stop=5), CHAT, 400, IRE, "stop"),
-        (chat_body(frequency_penalty=0.5), CHAT, 400, UNS, "frequency_penalty"),
-        (chat_body(repetition_penalty=1.2), CHAT, 400, UNS, "repetition_penalty"),
+        (chat_body(frequency_penalty=2.5), CHAT, 400, IRE, "frequency_penalty must be in [-2, 2]"),
+        (chat_body(repetition_penalty=0), CHAT, 400, IRE, "repetition_penalty must be > 0"),
+        (chat_body(logit_bias={"5": 101}), CHAT, 400, IRE, "logit_bias[5] must be in [-100, 100]"),
+        (chat_body(allowed_token_ids=[]), CHAT, 400, IRE, "allowed_token_ids must be a non-empty"),
         (chat_body(tools=[{"type": "function"}]), CHAT, 400, IRE, "tools[0]"),
         (chat_body(tools=[TOOL_F], parallel_tool_calls="yes"), CHAT, 400, IRE, "parallel_tool_calls"),
         (chat_body(chat_template_kwargs={"tools": []}), CHAT, 400, IRE, "cannot set 'tools'"),
@@ -158,6 +169,30 @@ def test_rows_that_cannot_run_get_an_error_with_a_status(body, url, status, code
     error = row_error(body, url)
     assert (error.status_code, error.code) == (status, code)
     assert words in error.message
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "field",
+    [
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "bad_words",
+        "truncate_prompt_tokens",
+    ],
+)
+def test_logit_adjustments_out_of_range_name_their_field(field):
+    bad = {
+        "presence_penalty": -3,
+        "frequency_penalty": "high",
+        "repetition_penalty": -1.0,
+        "logit_bias": {"1": 5, "x": 1},
+        "bad_words": [""],
+        "truncate_prompt_tokens": 0,
+    }
+    assert row_error(chat_body(**{field: bad[field]})).param == field
 
 
 @pytest.mark.timeout(10)

@@ -14,6 +14,7 @@ from qworker.jobs.job import (
     JobStatus,
     decode_job,
     derived_job_id,
+    encode_job,
     resolve_job_id,
 )
 from qworker.worker.admission import AdmissionPolicy, HeldJobSize
@@ -33,6 +34,17 @@ def test_valid_job_forms():
     assert job.messages[0].content == "hi" and job.metadata == {"k": 1}
     job = decode_job(b'{"prompt_token_ids": [1, 2, 3], "timeout_s": 2.5, "ttl_s": 10}', "job-1")
     assert job.prompt_token_ids == [1, 2, 3] and job.timeout_s == 2.5
+    adjusted = (
+        b'{"prompt": "hi", "params": {"presence_penalty": 0.5, "frequency_penalty": -0.5, '
+        b'"repetition_penalty": 1.2, "logit_bias": {"7": 100}, "allowed_token_ids": [7, 8], '
+        b'"bad_words": ["x"], "truncate_prompt_tokens": 4}}'
+    )
+    params = decode_job(adjusted, "job-1").params
+    assert params.logit_bias == {7: 100.0} and params.allowed_token_ids == [7, 8]
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
+    # The JSON round trip keeps them (ids as string keys, as OpenAI's logit_bias has them).
+    again = decode_job(encode_job(decode_job(adjusted, "job-1")), "job-1").params
+    assert again == params
 
 
 @pytest.mark.timeout(10)
@@ -75,6 +87,17 @@ def test_valid_job_forms():
         ),
         (b'{"prompt": "a", "params": {"stop_token_ids": ["3"]}}', "ValidationError", "a list of integers"),
         (b'{"prompt": "a", "priority": "3"}', "ValidationError", "priority"),
+        (
+            b'{"prompt": "a", "params": {"presence_penalty": 2.5}}',
+            "ValidationError",
+            "presence_penalty must be in",
+        ),
+        (
+            b'{"prompt": "a", "params": {"logit_bias": {"3": 101}}}',
+            "ValidationError",
+            "logit_bias[3] must be in",
+        ),
+        (b'{"prompt": "a", "params": {"allowed_token_ids": ["3"]}}', "ValidationError", "allowed_token_ids"),
         (b'{"prompt": "a", "timeout_s": "5"}', "ValidationError", "timeout_s"),
         (b'{"prompt_token_ids": [1, true]}', "ValidationError", "prompt_token_ids.1"),
         (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "ValidationError", "messages.0.role"),
