@@ -20,6 +20,7 @@ runs it on a tiny random Llama with the SmolLM2 tokenizer, so that the forward i
 host part dominates.
 
     .venv/bin/python scripts/profile_step.py --model tiny --num-seqs 1,32,256 --repeats 30
+    .venv/bin/python scripts/profile_step.py --model tiny --num-seqs 32 --penalties   # their cost
 """
 
 from __future__ import annotations
@@ -156,9 +157,22 @@ def tiny_engine_with_smollm2_tokenizer(config: EngineConfig) -> LLMEngine:
     return LLMEngine(config, hf_config=model.config, state_dict=model.state_dict(), tokenizer=tokenizer)
 
 
-def host_time_per_decode_step(engine: LLMEngine, num_seqs: int, repeats: int) -> dict[str, float]:
+# --penalties: what every sequence sets then (engine/penalties.py's whole path: the output-token
+# counts, the prompt mask of the repetition penalty, and a bias).
+PENALTIES = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.1,
+    "logit_bias": {7: 1.0},
+}
+
+
+def host_time_per_decode_step(
+    engine: LLMEngine, num_seqs: int, repeats: int, penalties: bool = False
+) -> dict[str, float]:
     """Median ms per decode step with `num_seqs` sequences decoding: the whole step, the model
-    forward (decoder and lm_head), and the rest (host time outside the forward)."""
+    forward (decoder and lm_head), and the rest (host time outside the forward). With
+    `penalties`, every sequence sets PENALTIES."""
     from qworker.engine.sampling_params import SamplingParams
 
     runner = engine.runner
@@ -178,7 +192,9 @@ def host_time_per_decode_step(engine: LLMEngine, num_seqs: int, repeats: int) ->
     runner._forward = timed(runner._forward, forward_s)  # type: ignore[method-assign]
     runner.model.compute_logits = timed(runner.model.compute_logits, forward_s)  # type: ignore[method-assign]
     runner.sampler.sample = timed(runner.sampler.sample, sample_s)  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=repeats + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=repeats + 8, temperature=0.0, ignore_eos=True, **(PENALTIES if penalties else {})
+    )
     for i in range(num_seqs):
         prompt = [100 + (i * 7919 + j * 104729) % 48000 for j in range(16)]
         engine.add_request(f"s{num_seqs}-{i}", {"prompt_token_ids": prompt}, params)
@@ -215,9 +231,12 @@ def main_host_time(args: argparse.Namespace) -> None:
         "model": args.model,
         "dtype": str(engine.dtype),
         "threads": torch.get_num_threads(),
+        "penalties": PENALTIES if args.penalties else None,
     }
     for num_seqs in (int(n) for n in args.num_seqs.split(",")):
-        result[str(num_seqs)] = figures = host_time_per_decode_step(engine, num_seqs, args.repeats)
+        result[str(num_seqs)] = figures = host_time_per_decode_step(
+            engine, num_seqs, args.repeats, penalties=args.penalties
+        )
         print(
             f"{num_seqs:4d} seqs: step {figures['step_ms']:8.2f} ms, "
             f"forward {figures['forward_ms']:8.2f} ms, "
@@ -242,6 +261,11 @@ def main() -> None:
     parser.add_argument("--num-seqs", default=None, help="e.g. 1,32,256: host time per decode step instead")
     parser.add_argument("--model", default="smollm2", help="with --num-seqs: smollm2 or tiny")
     parser.add_argument("--num-kv-blocks", type=int, default=4096, help="with --num-seqs")
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="with --num-seqs: every sequence sets penalties and a logit bias",
+    )
     args = parser.parse_args()
     if args.num_seqs is not None:
         main_host_time(args)

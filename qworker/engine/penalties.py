@@ -12,7 +12,8 @@ Presence and frequency penalties are OpenAI's: over the generated tokens only,
 logit -= frequency * count + presence * [count > 0].
 
 Each request's part is built once, when it gets a row (`LogitsAdjustments.of`); a step then
-needs only its rows' output tokens, counted into a [rows, vocab] table with one index_add.
+needs only its rows' output tokens, counted by one np.unique over the batch (the nonzero entries
+of vLLM's [rows, vocab] bin counts), and touches only the logits of tokens a row has seen.
 """
 
 from __future__ import annotations
@@ -116,18 +117,17 @@ def bad_words_token_ids(
 
 def apply_token_masks_(logits: torch.Tensor, rows: Sequence[AdjustedRow]) -> None:
     """logits: [N, vocab]. allowed_token_ids, then bad words: banned tokens become -inf, in place."""
-    vocab = logits.shape[-1]
     device = logits.device
     allowed = [row for row in rows if row.adjustments.allowed_token_ids is not None]
     if allowed:
-        index = torch.tensor([row.index for row in allowed], device=device)
         ids = [row.adjustments.allowed_token_ids for row in allowed]
-        lengths = [len(a) for a in ids if a is not None]
-        row_of_id = np.repeat(np.arange(len(allowed)), lengths)
-        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
-        keep[torch.from_numpy(row_of_id).to(device), torch.from_numpy(np.concatenate(ids)).to(device)] = True
-        sub = logits.index_select(0, index).masked_fill_(~keep, float("-inf"))
-        logits.index_copy_(0, index, sub)
+        lengths = [a.size for a in ids if a is not None]
+        row_of_id = torch.from_numpy(np.repeat(np.array([row.index for row in allowed]), lengths)).to(device)
+        id_t = torch.from_numpy(np.concatenate(ids)).to(device)
+        # Keep the allowed entries, fill the rows with -inf, put them back: no [rows, vocab] copy.
+        kept = logits[row_of_id, id_t]
+        logits.index_fill_(0, torch.tensor([row.index for row in allowed], device=device), float("-inf"))
+        logits[row_of_id, id_t] = kept
     banned_rows: list[int] = []
     banned_ids: list[int] = []
     for row in rows:
@@ -155,56 +155,79 @@ def apply_logit_bias_(logits: torch.Tensor, rows: Sequence[AdjustedRow]) -> None
     lengths = [row.adjustments.bias_token_ids.size for row in biased]
     row_index = np.repeat(np.array([row.index for row in biased], dtype=np.int64), lengths)
     ids = np.concatenate([row.adjustments.bias_token_ids for row in biased])
-    values = torch.from_numpy(np.concatenate([row.adjustments.bias_values for row in biased]))
-    logits.index_put_(
-        (torch.from_numpy(row_index).to(device), torch.from_numpy(ids).to(device)),
-        values.to(device=device, dtype=logits.dtype),
-        accumulate=True,
-    )
+    values = torch.from_numpy(np.concatenate([row.adjustments.bias_values for row in biased])).to(device)
+    # A row's ids are distinct (dict keys): a gather and a scatter, not an accumulating index_put
+    # (which sorts its indices on the CPU).
+    at = (torch.from_numpy(row_index).to(device), torch.from_numpy(ids).to(device))
+    logits[at] = (logits[at].float() + values).to(logits.dtype)
 
 
-def output_token_counts(rows: Sequence[AdjustedRow], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), vocab] float32: how often each token occurs in each row's output (a bincount
-    of row * vocab + token, by one index_add over the batch's output tokens)."""
+def output_token_counts(rows: Sequence[AdjustedRow], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, token) pairs that occur in the rows' outputs, as flat indices row.index * vocab +
+    token into [N, vocab] logits (sorted, distinct), and how often each occurs: the nonzero
+    entries of vLLM's [rows, vocab] bin counts, from one np.unique over the batch's output tokens."""
     lengths = np.fromiter((len(row.output_token_ids) for row in rows), dtype=np.int64, count=len(rows))
     tokens = np.fromiter(
         itertools.chain.from_iterable(row.output_token_ids for row in rows),
         dtype=np.int64,
         count=int(lengths.sum()),
     )
-    flat = np.repeat(np.arange(len(rows), dtype=np.int64) * vocab, lengths) + tokens
-    counts = torch.zeros(len(rows) * vocab, dtype=torch.float32, device=device)
-    flat_t = torch.from_numpy(flat).to(device)
-    counts.index_add_(0, flat_t, torch.ones(flat.size, dtype=torch.float32, device=device))
-    return counts.view(len(rows), vocab)
+    flat = np.repeat(np.array([row.index for row in rows], dtype=np.int64) * vocab, lengths) + tokens
+    return _distinct_with_counts(flat)
+
+
+def _distinct_with_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(values, return_counts=True) by one sort (numpy's hashed unique took 1.2 ms for
+    3,200 ids on the loaded 2-core EPYC, this 0.1 ms)."""
+    values = np.sort(values)
+    starts = np.empty(values.size, dtype=bool)
+    starts[:1] = True
+    np.not_equal(values[1:], values[:-1], out=starts[1:])
+    first = np.flatnonzero(starts)
+    return values[first], np.diff(np.append(first, values.size))
 
 
 def apply_penalties_(logits: torch.Tensor, rows: Sequence[AdjustedRow]) -> None:
     """logits: [N, vocab]. The repetition, frequency and presence penalties of the rows that set
-    one, in vLLM's `apply_penalties` order, computed in float32 and written back in place."""
+    one, in vLLM's `apply_penalties` order, computed in float32 and written back in place.
+
+    Only the entries a penalty changes are touched: those of tokens in a row's prompt or output
+    (gathered, changed, scattered back), so the cost grows with the tokens, not with rows x vocab
+    (a dense [32, 49,152] pass took 5-70 ms on the loaded 2-core EPYC, mostly in allocating it)."""
     penalized = [row for row in rows if row.adjustments.has_penalties]
     if not penalized:
         return
     device = logits.device
     vocab = logits.shape[-1]
-    index = torch.tensor([row.index for row in penalized], device=device)
-    sub = logits.index_select(0, index).float()  # [P, vocab]
-    counts = output_token_counts(penalized, vocab, device)  # [P, vocab]
-    repetition = [row.adjustments.repetition_penalty for row in penalized]
-    if any(p != 1.0 for p in repetition):
-        seen = counts > 0
-        lengths = [row.adjustments.prompt_token_ids.size for row in penalized]
-        flat = np.repeat(np.arange(len(penalized), dtype=np.int64) * vocab, lengths) + np.concatenate(
-            [row.adjustments.prompt_token_ids for row in penalized]
-        )
-        seen.view(-1)[torch.from_numpy(flat).to(device)] = True
-        penalty = torch.tensor(repetition, dtype=torch.float32, device=device)[:, None]
-        scale = torch.where(seen, penalty, 1.0)
-        sub = torch.where(sub > 0, sub / scale, sub * scale)
-    frequency = [row.adjustments.frequency_penalty for row in penalized]
-    if any(f != 0.0 for f in frequency):
-        sub -= torch.tensor(frequency, dtype=torch.float32, device=device)[:, None] * counts
-    presence = [row.adjustments.presence_penalty for row in penalized]
-    if any(p != 0.0 for p in presence):
-        sub -= torch.tensor(presence, dtype=torch.float32, device=device)[:, None] * (counts > 0)
-    logits.index_copy_(0, index, sub.to(logits.dtype))
+
+    def at(flat: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices row * vocab + token -> (rows, tokens), to index `logits` in any layout."""
+        return torch.from_numpy(flat // vocab).to(device), torch.from_numpy(flat % vocab).to(device)
+
+    out_index, out_counts = output_token_counts(penalized, vocab)
+    repeated = [row for row in penalized if row.adjustments.repetition_penalty != 1.0]
+    if repeated:
+        lengths = [row.adjustments.prompt_token_ids.size for row in repeated]
+        prompt_index = np.repeat(np.array([row.index for row in repeated], dtype=np.int64) * vocab, lengths)
+        prompt_index += np.concatenate([row.adjustments.prompt_token_ids for row in repeated])
+        penalty_of_row = np.ones(logits.shape[0], dtype=np.float32)
+        for row in repeated:
+            penalty_of_row[row.index] = row.adjustments.repetition_penalty
+        seen, _ = _distinct_with_counts(np.concatenate([prompt_index, out_index]))
+        seen = seen[penalty_of_row[seen // vocab] != 1.0]
+        seen_at = at(seen)
+        penalty = torch.from_numpy(penalty_of_row[seen // vocab]).to(device)
+        values = logits[seen_at].float()
+        logits[seen_at] = torch.where(values > 0, values / penalty, values * penalty).to(logits.dtype)
+    if out_index.size:
+        frequency = np.zeros(logits.shape[0], dtype=np.float32)
+        presence = np.zeros(logits.shape[0], dtype=np.float32)
+        for row in penalized:
+            frequency[row.index] = row.adjustments.frequency_penalty
+            presence[row.index] = row.adjustments.presence_penalty
+        row_of = out_index // vocab
+        # logit -= frequency * count + presence, at each (row, token) of the outputs.
+        subtract = frequency[row_of] * out_counts.astype(np.float32) + presence[row_of]
+        out_at = at(out_index)
+        values = logits[out_at].float() - torch.from_numpy(subtract).to(device)
+        logits[out_at] = values.to(logits.dtype)
