@@ -93,7 +93,7 @@ def create_app(
             dashboard_service.close()  # issue 42
             async_api.close()  # issue 23
             state.gate.close()
-            state.pool.close()
+            await state.pool.aclose()
 
     app = FastAPI(
         title="qworker gateway",

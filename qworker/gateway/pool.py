@@ -1,37 +1,50 @@
 """The gateway's side of the pool: submit, wait, stream and cancel through the worker's `Client`
 (its producer and result store), from asyncio.
 
-The Client is blocking (redis-py, boto3), so short calls run on a bounded thread pool, and each
-live stream gets a thread of its own that reads the job's deltas (Client.stream, which handles
-attempt markers) and hands them to the event loop. A stream's thread ends when the job's result is
-stored, or when no output arrives for the request timeout, so that a client that went away leaves
-nothing running here for longer than that.
+Waiting is asynchronous. Where the live deltas and job notes are in Redis on one server (the
+result store, or the streaming side of a split store such as S3 + Redis), a `DeltaHub`
+(backends/redis/delta_hub.py, redis.asyncio) reads them: each waiting request or live stream is a
+coroutine on a few shared blocking XREADs and one bounded connection pool, never a thread. Results
+in that Redis are read with it too; results elsewhere (S3) are read by short calls on the bounded
+thread pool below, polled with backoff from a coroutine. Submitting (the queue's producer: Redis,
+SQS), tokenizing and the readiness probe are short calls on that bounded pool as well.
+
+A store the hub cannot read (a Redis Cluster, Sentinel) keeps the blocking reader: one thread per
+live stream (Client.stream), as before. Either way a stream's reader ends when the job's result is
+stored, when no output arrives for the request timeout, or when the request stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
+from qworker.backends.redis.delta_hub import DeltaHub, open_delta_hub
+from qworker.backends.split_sink import SplitSink
 from qworker.errors import StreamRestartedError
 from qworker.jobs.client import Client
 from qworker.jobs.job import Job, JobResult
+from qworker.jobs.text_follower import TextFollower
 
 T = TypeVar("T")
 
-# Threads for short store calls (a submit, a result read, a cancel flag): enough for thousands of
-# waiting requests, each polling with backoff; more would only queue on the store's connection pool.
+# Threads for short blocking calls (a submit, an S3 result read, tokenizing); more would only
+# queue on the store's connection pool.
 STORE_CALL_THREADS = 64
-# Backoff of a waiting request's result polls: fast for a short job, gentle for thousands waiting.
+# Backoff of result polls where no delta stream says when a result is stored (S3 alone), and of
+# the read just after the done marker (a split store's S3 result may appear a moment later).
 MIN_POLL_S = 0.01
 MAX_POLL_S = 0.2
+# How often a request that waits for whole results checks that its client is still there.
+DISCONNECT_POLL_S = 0.2
 READY_PROBE_ID = "qworker-gateway-readiness-probe"
 
 
@@ -58,10 +71,44 @@ class StreamFailed:
 StreamEvent = StreamText | StreamEnd | StreamFailed
 
 
+@dataclass
+class StreamStop:
+    """Stops one request's stream readers: their coroutines at once, a blocking reader's thread
+    at its next delta or within the timeout."""
+
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    event: threading.Event = field(default_factory=threading.Event)
+
+    def set(self) -> None:
+        self.event.set()
+        for task in self.tasks:
+            task.cancel()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
 class Pool:
     def __init__(self, queue: str | None, results: str | None, stream_results: str | None) -> None:
         self.client = Client(queue=queue, results=results, stream_results=stream_results)
         self._limiter = anyio.CapacityLimiter(STORE_CALL_THREADS)
+        sink = self.client.sink
+        # Where deltas and job notes live; final results too unless the store is split.
+        self._stream_store = sink.stream if isinstance(sink, SplitSink) else sink
+        self._is_final_in_stream_store = self._stream_store is sink
+        # One hub per event loop (its connections belong to the loop that opened them).
+        self._hubs: dict[asyncio.AbstractEventLoop, DeltaHub] = {}
+
+    def _hub(self) -> DeltaHub | None:
+        """This loop's hub, or None when the store is not one the hub reads."""
+        loop = asyncio.get_running_loop()
+        hub = self._hubs.get(loop)
+        if hub is None:
+            hub = open_delta_hub(self._stream_store)
+            if hub is None:
+                return None
+            self._hubs = {k: v for k, v in self._hubs.items() if not k.is_closed()} | {loop: hub}
+        return hub
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
@@ -70,55 +117,108 @@ class Pool:
         return await self.call(self.client.submit_many, jobs)
 
     async def cancel(self, job_ids: list[str]) -> None:
+        hub = self._hub()
+        if hub is not None:
+            await asyncio.gather(*(hub.request_cancel(job_id) for job_id in job_ids))
+            return
         for job_id in job_ids:
             await self.call(self.client.cancel, job_id)
 
-    async def poll_results(self, job_ids: list[str], found: dict[str, JobResult]) -> None:
-        """Read the results not yet in `found` once, adding those that exist."""
-        for job_id in job_ids:
-            if job_id not in found:
-                result = await self.call(self.client.sink.get_result, job_id)
-                if result is not None:
-                    found[job_id] = result
+    async def get_result(self, job_id: str) -> JobResult | None:
+        hub = self._hub()
+        if hub is not None and self._is_final_in_stream_store:
+            return await hub.get_result(job_id)
+        return await self.call(self.client.sink.get_result, job_id)
+
+    async def result_by(self, job_id: str, deadline: float) -> JobResult:
+        """The job's result, polled with backoff until `deadline` (time.monotonic()), then
+        TimeoutError."""
+        wait_s = MIN_POLL_S
+        while True:
+            result = await self.get_result(job_id)
+            if result is not None:
+                return result
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no result for job {job_id} within the request timeout")
+            await asyncio.sleep(min(wait_s, left))
+            wait_s = min(MAX_POLL_S, wait_s * 1.5)
+
+    async def _wait_one(self, job_id: str, deadline: float) -> JobResult:
+        hub = self._hub()
+        if hub is not None:
+            # Until the done marker (or a result found while nothing arrives): no polling.
+            async for _ in hub.read_deltas(job_id, max(0.001, deadline - time.monotonic())):
+                pass
+        return await self.result_by(job_id, deadline)
 
     async def wait_results(
         self, job_ids: list[str], deadline: float, is_disconnected: Callable[[], Any]
     ) -> dict[str, JobResult] | None:
         """Every job's result, or None when the client went away; TimeoutError past `deadline`
         (time.monotonic())."""
-        found: dict[str, JobResult] = {}
-        wait_s = MIN_POLL_S
-        while True:
-            await self.poll_results(job_ids, found)
-            if len(found) == len(job_ids):
-                return found
-            if await is_disconnected():
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"no result within the request timeout for {len(job_ids) - len(found)} job(s)"
-                )
-            await asyncio.sleep(min(wait_s, left))
-            wait_s = min(MAX_POLL_S, wait_s * 1.5)
+        waiting = asyncio.ensure_future(asyncio.gather(*(self._wait_one(j, deadline) for j in job_ids)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return dict(zip(job_ids, waiting.result(), strict=True))
+                if await is_disconnected():
+                    return None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no result within the request timeout for {len(job_ids)} job(s)")
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(BaseException):
+                    await waiting
 
     def open_streams(
         self, job_ids: list[str], timeout_s: float
-    ) -> tuple[asyncio.Queue[StreamEvent], threading.Event]:
-        """One reader thread per job, all feeding one queue. Set the event to stop them early (a
-        thread notices at its next delta or within `timeout_s`)."""
+    ) -> tuple[asyncio.Queue[StreamEvent], StreamStop]:
+        """One reader per job (a coroutine; a thread for a store the hub cannot read), all feeding
+        one queue. `StreamStop.set()` stops them."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        stop = threading.Event()
+        stop = StreamStop()
+        hub = self._hub()
         for index, job_id in enumerate(job_ids):
+            if hub is not None:
+                stop.tasks.append(
+                    loop.create_task(self._follow_stream(hub, events, index, job_id, timeout_s))
+                )
+                continue
             thread = threading.Thread(
                 target=self._read_stream,
-                args=(loop, events, stop, index, job_id, timeout_s),
+                args=(loop, events, stop.event, index, job_id, timeout_s),
                 name=f"gateway-stream-{job_id[:12]}",
                 daemon=True,
             )
             thread.start()
         return events, stop
+
+    async def _follow_stream(
+        self, hub: DeltaHub, events: asyncio.Queue[StreamEvent], index: int, job_id: str, timeout_s: float
+    ) -> None:
+        """Client.stream and Client.result, as a coroutine over the hub."""
+        try:
+            follower = TextFollower(job_id)
+            async for delta in hub.read_deltas(job_id, timeout_s):
+                text = follower.feed(delta)
+                if text:
+                    events.put_nowait(StreamText(index, text))
+            follower.finish()
+            # The stream ends once the result is stored (a split store: in the final store a
+            # moment later, as S3 makes it visible).
+            events.put_nowait(StreamEnd(index, await self.result_by(job_id, time.monotonic() + timeout_s)))
+        except StreamRestartedError as exc:
+            events.put_nowait(StreamFailed(index, str(exc)))
+        except TimeoutError:
+            events.put_nowait(StreamFailed(index, f"no output from job {job_id} within {timeout_s:g}s"))
+        except Exception as exc:  # the store went away: the client gets an error event
+            events.put_nowait(
+                StreamFailed(index, f"reading job {job_id} failed: {type(exc).__name__}: {exc}")
+            )
 
     def _read_stream(
         self,
@@ -164,5 +264,14 @@ class Pool:
             return f"the result store does not answer: {type(exc).__name__}: {exc}"
         return None
 
+    async def aclose(self) -> None:
+        hubs, self._hubs = self._hubs, {}
+        for hub in hubs.values():
+            with contextlib.suppress(Exception):
+                await hub.aclose()
+        self.client.close()
+
     def close(self) -> None:
+        """Without a running loop (the hubs' connections go with their loops)."""
+        self._hubs = {}
         self.client.close()

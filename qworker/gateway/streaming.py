@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -34,7 +33,7 @@ import anyio
 
 from qworker.gateway.errors import GatewayError
 from qworker.gateway.mapping import PreparedRequest
-from qworker.gateway.pool import StreamEnd, StreamEvent, StreamFailed, StreamText
+from qworker.gateway.pool import StreamEnd, StreamEvent, StreamFailed, StreamStop, StreamText
 from qworker.gateway.responses import job_body
 from qworker.gateway.tokenizer import GatewayTokenizer
 from qworker.openai.bodies import call_id_seed
@@ -101,7 +100,7 @@ async def stream_events(
     prepared: PreparedRequest,
     events: asyncio.Queue[StreamEvent],
     first: StreamEvent,
-    stop: threading.Event,
+    stop: StreamStop,
     *,
     deadline: float,
     tokenizer: GatewayTokenizer | None,

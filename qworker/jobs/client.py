@@ -26,9 +26,9 @@ from qworker.backends.connections import (
     s3_location_of_results,
 )
 from qworker.backends.source import OutgoingJob
-from qworker.errors import StreamRestartedError
 from qworker.jobs.affinity import affinity_key
 from qworker.jobs.job import Job, JobResult, encode_job
+from qworker.jobs.text_follower import TextFollower
 
 
 class Client:
@@ -98,36 +98,12 @@ class Client:
 
         Raises TimeoutError when no output arrives for `timeout` seconds.
         """
-        yielded = ""  # the text handed out so far
-        # While a new attempt catches up with `yielded`: its number and its text so far.
-        attempt: int | None = None
-        attempt_text = ""
+        follower = TextFollower(job_id)
         for delta in self.sink.read_deltas(job_id, timeout):
-            if delta.attempt is not None:
-                # A resumed attempt continues the text so far (this reader's copy of it: what it
-                # yielded, or what it follows of an attempt catching up); a plain one restarts.
-                so_far = attempt_text if attempt is not None else yielded
-                num_kept = delta.resume.num_chars if delta.resume is not None else 0
-                if num_kept > len(so_far):
-                    raise StreamRestartedError(job_id, delta.attempt)  # it missed text it cannot see now
-                attempt, attempt_text = delta.attempt, so_far[:num_kept]
-                continue
-            if attempt is None:
-                if delta.text:
-                    yielded += delta.text
-                    yield delta.text
-                continue
-            attempt_text += delta.text
-            common = min(len(attempt_text), len(yielded))
-            if attempt_text[:common] != yielded[:common]:
-                raise StreamRestartedError(job_id, attempt)
-            if len(attempt_text) > len(yielded):
-                rest = attempt_text[len(yielded) :]
-                yielded, attempt = attempt_text, None
-                yield rest
-        if attempt is not None and attempt_text != yielded:
-            # The new attempt ended with less text than the old one had streamed.
-            raise StreamRestartedError(job_id, attempt)
+            text = follower.feed(delta)
+            if text:
+                yield text
+        follower.finish()
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the job's stored result. Raises TimeoutError after `timeout` seconds."""

@@ -33,12 +33,12 @@ from qworker.backends.redis.connection import (
     worker_client,
 )
 from qworker.backends.sink import Delta, Progress, ResultSink, ResumePoint, latest_attempt, progress_of
-from qworker.backends.urls import InvalidURLError, redact_url, url_number
+from qworker.backends.urls import InvalidURLError, redact_url, url_number, url_scheme
 from qworker.jobs.job import JobResult
 
 # A live reader wakes at least this often to check for a result written without a done marker
 # reaching it (its delta stream expired or was trimmed).
-_READ_POLL_S = 1.0
+READ_POLL_S = 1.0
 WORKER_STATS_TTL_S = 30
 
 
@@ -53,8 +53,12 @@ class RedisResultSink(ResultSink):
         delta_maxlen: int = keys.DEFAULT_DELTA_MAXLEN,
         layout: keys.KeyLayout = keys.SINGLE_SERVER,
         durable: Durability = NO_WAIT,
+        connection_url: str | None = None,
     ) -> None:
         self.redis = redis
+        # The URL `redis` was opened from, for an asyncio reader of the same store
+        # (delta_hub.py); None where there is none to give (a cluster, Sentinel, a test's client).
+        self.connection_url = connection_url
         self.layout = layout
         self.durable = durable
         self.prefix = prefix
@@ -127,21 +131,21 @@ class RedisResultSink(ResultSink):
         backlog = self.redis.xrange(key, "-", "+")
         if backlog:
             last_id = backlog[-1][0]
-            parsed = [_parse_delta(job_id, fields) for _, fields in backlog]
+            parsed = [parse_delta(job_id, fields) for _, fields in backlog]
             ended = next((i for i, delta in enumerate(parsed) if delta is None), None)
             yield from latest_attempt([d for d in parsed[:ended] if d is not None])
             if ended is not None:
                 return
             last_progress = time.monotonic()
         while True:
-            wait_s = _READ_POLL_S
+            wait_s = READ_POLL_S
             if timeout_s is not None:
                 wait_s = min(wait_s, max(0.001, timeout_s - (time.monotonic() - last_progress)))
             reply = self.redis.xread({key: last_id}, count=256, block=max(1, int(wait_s * 1000)))
             for _key, entries in reply or []:
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    delta = _parse_delta(job_id, fields)
+                    delta = parse_delta(job_id, fields)
                     if delta is None:
                         return
                     yield delta
@@ -158,7 +162,7 @@ class RedisResultSink(ResultSink):
         deltas = []
         for entry_id, fields in self.redis.xrange(self._key(keys.delta_stream_key, job_id), "-", "+"):
             try:
-                delta = _parse_delta(job_id, fields)
+                delta = parse_delta(job_id, fields)
             except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
                 name = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 return Progress(problem=f"delta entry {name} does not parse: {type(exc).__name__}: {exc}")
@@ -221,7 +225,7 @@ class RedisResultSink(ResultSink):
         self.redis.close()
 
 
-def _parse_delta(job_id: str, fields: dict[bytes, bytes]) -> Delta | None:
+def parse_delta(job_id: str, fields: dict[bytes, bytes]) -> Delta | None:
     """One delta-stream entry as a Delta (or an attempt marker); None for the done marker."""
     if keys.DELTA_FIELD_DONE.encode() in fields:
         return None
@@ -246,6 +250,7 @@ def open_sink(url: str) -> RedisResultSink:
     parsed = parse_redis_url(url, URL_PARAMS)
     layout = key_layout(url)
     prefix = parsed.params.get("prefix", keys.DEFAULT_RESULT_PREFIX)
+    is_one_server = url_scheme(parsed.connection_url) in ("redis", "rediss", "unix")
     if layout.hash_tags and ("{" in prefix or "}" in prefix):
         raise InvalidURLError(
             f"prefix={prefix!r} in {redact_url(url)!r} has braces; "
@@ -259,4 +264,5 @@ def open_sink(url: str) -> RedisResultSink:
         delta_maxlen=int(url_number(parsed.params, "delta_maxlen", keys.DEFAULT_DELTA_MAXLEN)),
         layout=layout,
         durable=durability(parsed),
+        connection_url=parsed.connection_url if layout is keys.SINGLE_SERVER and is_one_server else None,
     )
