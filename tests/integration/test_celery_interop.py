@@ -98,6 +98,18 @@ def test_send_task_results_and_invalid_kwargs(broker, queue, celery_app, engine_
         "qworker.generate", kwargs={"prompt": "x", "params": {"max_tokens": 0}}, queue=queue
     )
     unknown_field = celery_app.send_task("qworker.generate", kwargs={"prompt": "x", "bogus": 1}, queue=queue)
+    # Penalties and biases travel in the task's params as in any job (issue 43).
+    biased = celery_app.send_task(
+        "qworker.generate",
+        kwargs={
+            "prompt_token_ids": [5, 6],
+            "params": {"max_tokens": 3, "logit_bias": {"77": 100}, "presence_penalty": 1.0},
+        },
+        queue=queue,
+    )
+    bad_penalty = celery_app.send_task(
+        "qworker.generate", kwargs={"prompt": "x", "params": {"frequency_penalty": 3}}, queue=queue
+    )
     worker = make_worker(engine_args, queue_url(queue))
     thread = threading.Thread(target=worker.run, kwargs={"burst": True}, daemon=True)
     thread.start()
@@ -116,6 +128,10 @@ def test_send_task_results_and_invalid_kwargs(broker, queue, celery_app, engine_
         with pytest.raises(Exception) as unknown:
             unknown_field.get(timeout=60)
         assert "bogus: unknown field" in str(unknown.value)
+        assert biased.get(timeout=60)["token_ids"] == [77, 77, 77]
+        with pytest.raises(Exception) as penalty:
+            bad_penalty.get(timeout=60)
+        assert "frequency_penalty must be in [-2, 2]" in str(penalty.value)
     finally:
         thread.join(60)
     # Everything acked: the queue and the unacked index are empty.
@@ -124,7 +140,7 @@ def test_send_task_results_and_invalid_kwargs(broker, queue, celery_app, engine_
     with Client(queue=queue_url(queue)) as client:
         assert client.result(sent[0].id, timeout=1).status is JobStatus.COMPLETED
         assert client.result(bad_params.id, timeout=1).error.type == "ValidationError"
-    forget(broker, [r.id for r in (*sent, chat, bad_params, unknown_field)])
+    forget(broker, [r.id for r in (*sent, chat, bad_params, unknown_field, biased, bad_penalty)])
 
 
 class PlantsAFile:
