@@ -8,10 +8,18 @@ ceil((tokens + 1) / block_size) blocks while it runs and waits while that does n
 running request cannot grow, the newest running one is preempted (its blocks freed, its output
 kept, back to the head of the waiting line), and a request that alone fills the cache finishes
 with "length".
+
+Pooling requests (PoolingParams) are prefill-only as in the real engine: one takes its prompt's
+blocks (ceil(tokens / block_size), no slot for a next token) when it starts and finishes in that
+step with a PoolingRequestOutput whose vector `fake_pooled_vector` computes from its tokens. That
+output holds a torch tensor, as the engine's does: only the pooling path imports torch.
+`supported_tasks` says what the fake model can do; a request for another task is refused with
+UnsupportedTaskError, as the engine refuses it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,10 +27,25 @@ from typing import Any
 
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
-from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
+from qworker.engine.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    StepOutput,
+)
+from qworker.engine.pooling_params import PoolingParams
 from qworker.engine.resume import ResumeFrom
 from qworker.engine.sampling_params import SamplingParams
-from qworker.errors import EngineStepError, InvalidRequestError, PromptTooLongError, ResumeRefusedError
+from qworker.errors import (
+    EngineStepError,
+    InvalidParamsError,
+    InvalidRequestError,
+    PromptTooLongError,
+    ResumeRefusedError,
+    UnsupportedTaskError,
+)
 from qworker.lora.request import LoRARequest
 from qworker.utils import cdiv
 
@@ -31,6 +54,35 @@ DEFAULT_SCRIPT = list(b"abcdefghijklmnopqrstuvwxyz") * 10
 
 # (request id, prompt token ids) -> the tokens the request emits, one per step.
 Script = Callable[[str, list[int]], list[int]]
+ALL_TASKS = ("generate", "embed", "classify", "score")
+# The fake model's hidden size (an embedding's length) and its classes.
+HIDDEN_SIZE = 8
+NUM_CLASSES = 3
+
+
+def fake_pooled_vector(token_ids: list[int], params: PoolingParams) -> list[float]:
+    """What the fake engine pools for `token_ids` (after truncation): an embedding of HIDDEN_SIZE
+    values (each a sum over the tokens with its own weights), L2-normalised unless `normalize` is
+    False, cut to `dimensions` first; NUM_CLASSES probabilities for classify (softmax; raw with
+    use_activation=False); one sigmoid score for score. Deterministic, so tests compute it too."""
+    raw = [
+        sum(((t * (j + 3)) % 17 - 8) / 8 * (p + 1) ** -0.5 for p, t in enumerate(token_ids))
+        for j in range(HIDDEN_SIZE)
+    ]
+    if params.task == "embed":
+        values = raw[: params.dimensions] if params.dimensions is not None else raw
+        if params.normalize is False:
+            return values
+        norm = math.sqrt(sum(v * v for v in values)) or 1.0
+        return [v / norm for v in values]
+    if params.task == "classify":
+        logits = raw[:NUM_CLASSES]
+        if params.use_activation is False:
+            return logits
+        exps = [math.exp(v - max(logits)) for v in logits]
+        return [e / sum(exps) for e in exps]
+    score = sum(raw) / HIDDEN_SIZE
+    return [score] if params.use_activation is False else [1 / (1 + math.exp(-score))]
 
 
 @dataclass(frozen=True)
@@ -53,7 +105,7 @@ class _FakeRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     script: list[int]
     metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
@@ -83,12 +135,14 @@ class FakeEngine:
         script: Script | None = None,
         has_tokenizer: bool = True,
         max_model_len: int = 256,
+        supported_tasks: tuple[str, ...] = ALL_TASKS,
     ) -> None:
         self.config = config or EngineConfig(model="fake", block_size=4, num_kv_blocks=64, max_num_seqs=8)
         assert self.config.num_kv_blocks is not None, "the fake engine needs num_kv_blocks"
         self.num_kv_blocks = self.config.num_kv_blocks
         self.max_model_len = max_model_len
         self.device = FakeDevice()
+        self.supported_tasks = supported_tasks
         self.tokenizer: ByteTokenizer | None = ByteTokenizer() if has_tokenizer else None
         self.script = script or (lambda request_id, prompt_token_ids: DEFAULT_SCRIPT)
         self.on_step: Callable[[int], None] | None = None
@@ -119,19 +173,25 @@ class FakeEngine:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return self.tokenizer.encode(text)
 
+    def score_prompt(self, query: str, document: str) -> list[int]:
+        """The query's bytes, a separator (0), the document's bytes."""
+        assert self.tokenizer is not None, "the worker checks for a tokenizer first"
+        return [*self.tokenizer.encode(query), 0, *self.tokenizer.encode(document)]
+
     # -- requests ----------------------------------------------------------------------------
 
     def add_request(
         self,
         request_id: str,
         prompt: dict[str, Any],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
-        """As LLMEngine.add_request. With `resume`, the request continues its script after the
+        """As LLMEngine.add_request (a pooling request: see the module's docstring). With
+        `resume`, the request continues its script after the
         given tokens, which must be the script's first ones (else ResumeRefusedError), and fewer
         than max_tokens. `lora_request` is recorded in `adapters` (the script does not change)."""
         self.adapters[request_id] = lora_request
@@ -149,6 +209,31 @@ class FakeEngine:
             )
         if cdiv(len(token_ids) + 1, self.config.block_size) > self.num_kv_blocks:
             raise PromptTooLongError(f"prompt of {len(token_ids)} tokens does not fit in the KV cache")
+        task = params.task if isinstance(params, PoolingParams) else "generate"
+        if task not in self.supported_tasks:
+            raise UnsupportedTaskError(
+                f"the model {self.config.model!r} cannot {task}: "
+                f"it supports {', '.join(self.supported_tasks)}"
+            )
+        if isinstance(params, PoolingParams):
+            if params.dimensions is not None and params.dimensions > HIDDEN_SIZE:
+                raise InvalidParamsError(
+                    f"dimensions {params.dimensions} is above the hidden size {HIDDEN_SIZE}"
+                )
+            if params.truncate_prompt_tokens is not None:
+                token_ids = token_ids[-params.truncate_prompt_tokens :]
+            self._waiting.append(
+                _FakeRequest(
+                    request_id,
+                    prompt.get("prompt"),
+                    token_ids,
+                    params,
+                    [],
+                    RequestMetrics(arrival_time=arrival_time or time.time()),
+                )
+            )
+            self.added.append(request_id)
+            return request_id
         params.check_model_limits(VOCAB_SIZE)
         script = list(self.script(request_id, token_ids))
         assert script, f"the script gave request {request_id} no tokens"
@@ -171,7 +256,7 @@ class FakeEngine:
         self.added.append(request_id)
         return request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         for queue in (self._waiting, self._running):
             for request in queue:
                 if request.request_id == request_id:
@@ -179,6 +264,8 @@ class FakeEngine:
                     self.aborted.append(request_id)
                     request.finish_reason = "abort"
                     request.metrics.finished_time = time.time()
+                    if isinstance(request.params, PoolingParams):
+                        return None  # nothing pooled yet
                     return self._output(request)
         return None
 
@@ -218,7 +305,9 @@ class FakeEngine:
         now = time.time()
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
-            num_blocks = cdiv(request.num_tokens + 1, self.config.block_size)
+            # A pooling request needs its prompt's blocks only; a generation one a slot more.
+            num_slots = request.num_tokens + (0 if isinstance(request.params, PoolingParams) else 1)
+            num_blocks = cdiv(num_slots, self.config.block_size)
             if num_blocks > self.kv_stats().num_free_blocks:
                 break
             self._waiting.pop(0)
@@ -233,6 +322,9 @@ class FakeEngine:
         for request in list(self._running):
             if request not in self._running:
                 continue  # preempted earlier in this step
+            if isinstance(request.params, PoolingParams):
+                outputs.append(self._pool(request, request.params, now))
+                continue
             # Room for the token after this one, as the real scheduler reserves a slot.
             num_needed = cdiv(request.num_tokens + 1, self.config.block_size) - request.num_blocks
             while num_needed > self.kv_stats().num_free_blocks and self._running[-1] is not request:
@@ -247,12 +339,29 @@ class FakeEngine:
             outputs.append(self._emit(request, now))
         return outputs
 
+    def _pool(self, request: _FakeRequest, params: PoolingParams, now: float) -> StepOutput:
+        """A pooling request's one step: its vector, its blocks freed."""
+        import torch
+
+        self._running.remove(request)
+        request.finish_reason = "stop"
+        request.metrics.finished_time = now
+        vector = fake_pooled_vector(request.prompt_token_ids, params)
+        output = PoolingRequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=PoolingOutput(data=torch.tensor(vector, dtype=torch.float32)),
+            finished=True,
+        )
+        return StepOutput(request.request_id, [], "", True, "stop", output)
+
     def _preempt(self, request: _FakeRequest) -> None:
         self._running.remove(request)
         request.num_blocks = 0
         self._waiting.insert(0, request)
 
     def _emit(self, request: _FakeRequest, now: float) -> StepOutput:
+        assert isinstance(request.params, SamplingParams), "a pooling request never emits a token"
         token_id = request.script[len(request.output_token_ids)]
         request.output_token_ids.append(token_id)
         if request.metrics.first_token_time is None:

@@ -21,6 +21,20 @@ than the headroom still waits in the engine, where it counts as committed, so no
 pulled until it fits. Hence the bound the tests check: jobs held <= jobs running + max_backlog,
 and the running ones are those the KV cache holds. Everything else stays in the queue for other
 workers.
+
+Pooling jobs (embed, classify, score: docs/pooling.md) need their prompt blocks and nothing more:
+no decode follows, and the engine frees the blocks after the prompt's last chunk. A held one
+commits the blocks of its inputs still to run and reserves nothing. They are packed: while the
+jobs a worker takes are mostly pooling ones (a running share of what it took), the backlog bound
+becomes a token bound, so that the worker takes as many as fill `pooling_token_budget` tokens
+(two steps' worth by default: the next step's inputs are at hand while this one's results are
+written) and the KV headroom holds:
+
+    pull = min(headroom // typical_prompt_blocks,
+               (pooling_token_budget - pooling_tokens_held) // typical_pooling_tokens)
+
+The worker sorts what it took by length before the engine sees it (take.py), so that a step's
+chunks are of like lengths.
 """
 
 from __future__ import annotations
@@ -43,6 +57,14 @@ class HeldJobSize:
     # Leading prompt tokens in cached blocks that requests hold now (whole blocks): the engine
     # shares them, so a job not started needs blocks only for the rest.
     num_shared_prefix_tokens: int = 0
+
+
+@dataclass
+class PoolingJobSize:
+    """A held pooling job: the tokens of its inputs still to run, and how many inputs they are."""
+
+    num_prompt_tokens: int
+    num_inputs: int
 
 
 @dataclass
@@ -69,8 +91,14 @@ class AdmissionPolicy:
     max_backlog: int
     reserve_blocks_per_seq: int
     max_jobs_held: int
+    # Tokens of pooling jobs held at once, while the jobs taken are mostly pooling ones (the
+    # worker passes twice the engine's max_num_batched_tokens); 0: pooling jobs are not packed.
+    pooling_token_budget: int = 0
     # Start at one block: the first pull is bounded by max_backlog anyway.
     typical_prompt_blocks: float = 1.0
+    # A running mean of a pooling job's tokens, and of the share of pooling jobs among those taken.
+    typical_pooling_tokens: float = 1.0
+    pooling_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_backlog < 1:
@@ -82,13 +110,37 @@ class AdmissionPolicy:
         blocks = cdiv(num_prompt_tokens + 1, self.block_size) - num_shared_prefix_tokens // self.block_size
         # An exponential mean: adapts when the workload changes, and is cheap.
         self.typical_prompt_blocks += 0.1 * (blocks - self.typical_prompt_blocks)
+        self.pooling_share -= 0.1 * self.pooling_share
 
-    def decide(self, num_total_blocks: int, num_free_blocks: int, jobs: list[HeldJobSize]) -> AdmissionStats:
+    def observe_pooling(self, num_prompt_tokens: int, num_inputs: int) -> None:
+        """A pooling job taken: its inputs' tokens (after truncation)."""
+        blocks = cdiv(num_prompt_tokens, self.block_size) + num_inputs
+        self.typical_prompt_blocks += 0.1 * (blocks - self.typical_prompt_blocks)
+        self.typical_pooling_tokens += 0.1 * (num_prompt_tokens - self.typical_pooling_tokens)
+        self.pooling_share += 0.1 * (1.0 - self.pooling_share)
+
+    @property
+    def is_packing(self) -> bool:
+        """Whether the jobs taken lately are mostly pooling ones: then the token bound applies."""
+        return self.pooling_token_budget > 0 and self.pooling_share > 0.5
+
+    def decide(
+        self, num_total_blocks: int, num_free_blocks: int, jobs: list[HeldJobSize | PoolingJobSize]
+    ) -> AdmissionStats:
         reserved = 0
         committed = 0
         num_not_started = 0
         demand = 0
+        pooling_tokens = 0
         for job in jobs:
+            if isinstance(job, PoolingJobSize):
+                # Each input's last block may be partly empty: at most one block more per input.
+                blocks = cdiv(job.num_prompt_tokens, self.block_size) + job.num_inputs
+                committed += blocks
+                demand += blocks
+                pooling_tokens += job.num_prompt_tokens
+                num_not_started += 1
+                continue
             demand += cdiv(job.num_prompt_tokens + job.max_tokens, self.block_size)
             if job.is_started:
                 num_tokens = job.num_prompt_tokens + job.num_output_tokens
@@ -103,7 +155,17 @@ class AdmissionPolicy:
                 num_not_started += 1
         headroom = num_free_blocks - reserved - committed
         by_blocks = int(headroom // max(1.0, self.typical_prompt_blocks)) if headroom > 0 else 0
-        to_pull = max(0, min(self.max_backlog - num_not_started, by_blocks, self.max_jobs_held - len(jobs)))
+        if self.is_packing:
+            by_tokens = int(
+                (self.pooling_token_budget - pooling_tokens) // max(1.0, self.typical_pooling_tokens)
+            )
+            if not jobs:
+                by_tokens = max(1, by_tokens)  # a job larger than the budget still runs, alone
+            to_pull = max(0, min(by_blocks, by_tokens))
+        else:
+            to_pull = max(
+                0, min(self.max_backlog - num_not_started, by_blocks, self.max_jobs_held - len(jobs))
+            )
         return AdmissionStats(
             num_total_blocks=num_total_blocks,
             num_free_blocks=num_free_blocks,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from qworker.jobs.job import Job
 from qworker.worker.held import HeldJob, HeldJobs
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ class Drain:
 
 
 def can_finish(held: HeldJob, time_left: float, step_seconds: float) -> bool:
+    if held.fan_in is not None:
+        # A pooling job is prefill only: one that has begun ends within a step or two.
+        return bool(held.fan_in.outputs) and 2 * step_seconds <= time_left
+    assert isinstance(held.job, Job), "a held job without a fan-in is a generation job"
     if held.num_output_tokens == 0:
         return False  # not started: a peer can start it as soon as we could
     steps_left = held.job.params.max_tokens - held.num_resumed_tokens - held.num_output_tokens

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from qworker.config import EngineConfig
 from qworker.engine.block_pool import KVCacheStats
-from qworker.engine.outputs import RequestOutput, StepOutput
+from qworker.engine.outputs import PoolingRequestOutput, RequestOutput, StepOutput
+from qworker.engine.pooling_params import PoolingParams
 from qworker.engine.resume import ResumeFrom
 from qworker.engine.sampling_params import SamplingParams
 from qworker.lora.request import LoRARequest
@@ -58,11 +59,20 @@ class EngineProtocol(Protocol):
         """The conversation's prompt ids; `tools` and `chat_template_kwargs` as the job gives them."""
         ...
 
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What the model can do: a subset of ("generate", "embed", "classify", "score")."""
+        ...
+
+    def score_prompt(self, query: str, document: str) -> list[int]:
+        """The one sequence a score request pools for (query, document), in the model's form."""
+        ...
+
     def add_request(
         self,
         request_id: str,
         prompt: dict[str, Any],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
@@ -71,12 +81,16 @@ class EngineProtocol(Protocol):
         """Queue a request; `prompt` is {"prompt_token_ids": [...], "prompt"?: text}. With
         `lora_request`, it runs with that LoRA adapter.
 
+        With PoolingParams it is a prefill-only pooling request for one input: it finishes with
+        a PoolingRequestOutput and no tokens.
+
         Raises an InvalidRequestError subclass for input that can never run (too long, ids
-        outside the vocabulary). With `resume`, the request continues from output tokens an
-        earlier attempt generated; ResumeRefusedError says it cannot (then add it without)."""
+        outside the vocabulary, UnsupportedTaskError for a task the model cannot do). With
+        `resume`, the request continues from output tokens an earlier attempt generated;
+        ResumeRefusedError says it cannot (then add it without)."""
         ...
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         """Stop a request now and free its KV blocks; its partial output, or None if unknown."""
         ...
 

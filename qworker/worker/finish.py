@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from qworker.backends.sink import ResultSink
 from qworker.backends.source import JobSource, Lease
 from qworker.engine.outputs import RequestOutput
-from qworker.jobs.job import Job, JobError, JobResult, JobStatus
+from qworker.jobs.job import JobError, JobResult, JobStatus
+from qworker.jobs.pooling_job import AnyJob, PoolingJob
 from qworker.worker.broker_calls import BrokerCalls
 from qworker.worker.held import DroppedJob, HeldJob, leases_of
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox, PendingFinal
-from qworker.worker.results import build_result
+from qworker.worker.results import build_pooling_result, build_result
 from qworker.worker.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,13 @@ class Finisher:
     ) -> None:
         """End a job that ran (the engine finished it, or it was dropped: see held.py). An output
         the engine failed on its own (a grammar that did not compile) makes a failed result."""
+        if held.fan_in is not None:
+            assert isinstance(held.job, PoolingJob), "a job with a fan-in is a pooling job"
+            if held.fan_in.error is not None and status is JobStatus.COMPLETED:
+                status, error = JobStatus.FAILED, held.fan_in.error
+            pooled = build_pooling_result(held.job, held.lease, status, error, held.fan_in, self.worker_name)
+            self.end(pooled, held.leases)
+            return
         if output is not None:
             self.metrics.observe_preemptions(output.num_preemptions)
             if output.error is not None and status is JobStatus.COMPLETED:
@@ -70,7 +78,7 @@ class Finisher:
         self.end_held(dropped.held, dropped.output, status, error)
 
     def end_unstarted(
-        self, lease: Lease, job_id: str, job: Job | None, status: JobStatus, error: JobError | None
+        self, lease: Lease, job_id: str, job: AnyJob | None, status: JobStatus, error: JobError | None
     ) -> None:
         """End a job that never reached the engine (bad input, expired, cancelled while queued)."""
         if status is JobStatus.FAILED and error is not None:

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 
 from qworker.backends.source import Lease
 from qworker.errors import InvalidRequestError, PromptTooLongError
-from qworker.jobs.job import Job, JobDecodeError, JobError, decode_job
+from qworker.jobs.job import Job, JobDecodeError, JobError
+from qworker.jobs.pooling_job import AnyJob, decode_any_job
 from qworker.worker.engine_protocol import EngineProtocol
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class DeadLetter:
 class Fail:
     lease: Lease
     job_id: str
-    job: Job | None
+    job: AnyJob | None
     error: JobError
 
 
@@ -69,7 +70,7 @@ class Fail:
 class Cancel:
     lease: Lease
     job_id: str
-    job: Job
+    job: AnyJob
     error: JobError | None
 
 
@@ -77,7 +78,7 @@ class Cancel:
 class Run:
     lease: Lease
     job_id: str
-    job: Job
+    job: AnyJob
 
 
 Outcome = JoinHeld | AckDone | DeadLetter | Fail | Cancel | Run
@@ -119,7 +120,7 @@ def intake(lease: Lease, job_id: str | None, facts: IntakeFacts, *, max_attempts
             reason += f"; last error: {last_error}"
         return DeadLetter(lease, "DeadLettered", reason, job_id)
     try:
-        job = decode_job(lease.body, job_id)
+        job = decode_any_job(lease.body, job_id)
     except JobDecodeError as exc:
         return Fail(lease, job_id, None, JobError(type=exc.error_type, message=exc.message))
     if job.ttl_s is not None and lease.delivery_count == 1 and lease.enqueued_at is not None:

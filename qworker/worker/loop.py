@@ -22,6 +22,7 @@ import time
 
 from qworker.backends.sink import Delta, ResultSink
 from qworker.backends.source import JobSource, Lease
+from qworker.engine.outputs import RequestOutput
 from qworker.errors import EngineFailedError, EngineStepError
 from qworker.health import HealthState
 from qworker.jobs.job import JobError, JobStatus
@@ -35,6 +36,7 @@ from qworker.worker.held import HeldJobs, leases_of
 from qworker.worker.lease_keeper import StepLeaseKeeper
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox
+from qworker.worker.pooling import collect_pooled
 from qworker.worker.report import ReportFiller
 from qworker.worker.retry import BrokerOutage, BrokerOutageError
 from qworker.worker.run_beside import run_beside
@@ -74,6 +76,7 @@ class Worker:
             max_backlog=self.settings.max_backlog,
             reserve_blocks_per_seq=self.settings.reserve_blocks_per_seq,
             max_jobs_held=engine.config.max_num_seqs + self.settings.max_backlog,
+            pooling_token_budget=2 * engine.config.max_num_batched_tokens,
         )
         self.stats = WorkerStats()
         self._report = ReportFiller(self.settings.stats_interval_s)  # the dashboard's fields
@@ -226,15 +229,19 @@ class Worker:
                 return 0
             self._intake = leased
         num_leased = len(self._intake)
-        while self._intake:
-            try:
-                # Only reads reach the broker before a job enters the engine (writes go to the
-                # outbox), so a message that failed part-way is taken again from the start.
-                self.taker.take(self._intake[0], self.max_attempts)
-            except Exception as exc:
-                self.broker.failed(exc, "taking a job")
-                return num_leased
-            self._intake.pop(0)
+        try:
+            while self._intake:
+                try:
+                    # Only reads reach the broker before a job enters the engine (writes go to the
+                    # outbox), so a message that failed part-way is taken again from the start.
+                    self.taker.take(self._intake[0], self.max_attempts)
+                except Exception as exc:
+                    self.broker.failed(exc, "taking a job")
+                    return num_leased
+                self._intake.pop(0)
+        finally:
+            # The pooling jobs taken (held already): their inputs enter the engine sorted by length.
+            self.taker.add_pooled_requests()
         notes = self.taker.pop_attempt_notes()
         if notes:
             self.broker.make("writing attempt notes", lambda: self.sink.write_last_errors(notes))
@@ -260,9 +267,14 @@ class Worker:
         deltas = []
         finished = []
         num_generated = 0
+        pooled_done = []
         for out in step_outputs:
-            held = self.held.get(out.request_id)
+            held = self.held.owner_of(out.request_id)
             if held is None:
+                continue
+            if held.fan_in is not None:
+                if out.finished and collect_pooled(held.fan_in, out):
+                    pooled_done.append(held)
                 continue
             if out.new_token_ids:
                 if held.last_token_at is not None:
@@ -282,8 +294,14 @@ class Worker:
         # Deltas first: a live reader sees every delta before the done marker of the result.
         self.outbox.add_deltas(deltas)
         for held, output in finished:
-            assert output is not None, "a finished step output carries the whole result"
+            assert isinstance(output, RequestOutput), "a finished generation step carries its whole result"
             self.finish.end_held(self.held.pop_finished(held.job.id), output, JobStatus.COMPLETED, None)
+        for held in pooled_done:
+            assert held.fan_in is not None, "pooled_done holds pooling jobs"
+            if held.fan_in.error is not None:  # the engine failed one input: the job fails whole
+                self.finish.end_dropped(self.held.drop(held.job.id), JobStatus.FAILED, held.fan_in.error)
+            else:
+                self.finish.end_held(self.held.pop_finished(held.job.id), None, JobStatus.COMPLETED, None)
         self.finish.flush()
         elapsed = time.perf_counter() - started
         self._step_seconds += 0.2 * (elapsed - self._step_seconds)

@@ -7,7 +7,6 @@ import time
 from qworker.backends.source import Lease
 from qworker.engine.outputs import RequestOutput
 from qworker.jobs.job import (
-    Job,
     JobError,
     JobResult,
     JobStatus,
@@ -16,12 +15,14 @@ from qworker.jobs.job import (
     completion_result,
     token_logprobs,
 )
+from qworker.jobs.pooling_job import AnyJob, PoolingJob
 from qworker.jobs.result import PromptTokensDetails
+from qworker.worker.pooling import PoolingFanIn
 
 
 def build_result(
     job_id: str,
-    job: Job | None,
+    job: AnyJob | None,
     lease: Lease,
     status: JobStatus,
     error: JobError | None,
@@ -40,7 +41,7 @@ def build_result(
         metadata=job.metadata if job is not None else None,
         timings=timings,
     )
-    if output is None:
+    if output is None or isinstance(job, PoolingJob):
         return result
     # A job stopped early (timeout, cancel, failure) ends with its status as the finish reason.
     completion = output.outputs[0]
@@ -70,4 +71,25 @@ def build_result(
     timings.started_at = output.metrics.first_scheduled_time
     timings.first_token_at = output.metrics.first_token_time
     timings.finished_at = output.metrics.finished_time or timings.finished_at
+    return result
+
+
+def build_pooling_result(
+    job: PoolingJob,
+    lease: Lease,
+    status: JobStatus,
+    error: JobError | None,
+    fan_in: PoolingFanIn,
+    worker_name: str,
+) -> JobResult:
+    """A pooling job's result: its inputs' vectors in input order (every input's when it
+    completed; none when it ended otherwise), usage counting the prompt tokens pooled."""
+    result = build_result(job.id, job, lease, status, error, None, worker_name)
+    if status is JobStatus.COMPLETED:
+        result.pooled = fan_in.pooled()
+    result.usage = Usage(
+        prompt_tokens=fan_in.num_prompt_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=fan_in.num_cached_tokens),
+    )
+    result.timings.started_at = fan_in.first_scheduled_at
     return result

@@ -14,9 +14,11 @@ from typing import Any
 
 from qworker.backends.sink import Delta, Progress, ResultSink, ResumePoint
 from qworker.backends.source import JobSource, Lease
+from qworker.engine.pooling_params import PoolingParams
 from qworker.engine.resume import ResumeFrom
 from qworker.errors import InvalidRequestError, ResumeRefusedError
 from qworker.jobs.job import Job, JobStatus, resolve_job_id
+from qworker.jobs.pooling_job import PoolingJob
 from qworker.lora.adapter_list import AdapterList
 from qworker.lora.request import LoRARequest
 from qworker.worker import intake
@@ -26,9 +28,28 @@ from qworker.worker.finish import Finisher
 from qworker.worker.held import HeldJob, HeldJobs
 from qworker.worker.metrics import WorkerMetrics
 from qworker.worker.outbox import Outbox
+from qworker.worker.pooling import (
+    PoolingFanIn,
+    num_tokens_to_compute,
+    pooling_params,
+    pooling_prompts,
+    request_id_of,
+)
 from qworker.worker.retry import BrokerOutageError, is_transient
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _PooledRequest:
+    """One input of a pooling job taken in this pull, not yet in the engine."""
+
+    held: HeldJob
+    request_id: str
+    prompt: dict[str, Any]
+    params: PoolingParams
+    num_tokens: int
+    arrival_time: float
 
 
 @dataclass(kw_only=True)
@@ -49,6 +70,9 @@ class Taker:
     # Written for each job as it enters the engine (one round trip per pull, pop_attempt_notes):
     # read back only if the attempt never ends here, to say why the job is later dead-lettered.
     _attempt_notes: dict[str, str] = field(default_factory=dict, init=False)
+    # Pooling requests of the jobs taken in this pull, added to the engine together (sorted by
+    # length) by add_pooled_requests.
+    _pooled: list[_PooledRequest] = field(default_factory=list, init=False)
 
     def pop_attempt_notes(self) -> dict[str, str]:
         notes, self._attempt_notes = self._attempt_notes, {}
@@ -115,6 +139,9 @@ class Taker:
 
     def _start(self, run: intake.Run) -> None:
         """Hand the job to the engine and hold it."""
+        if isinstance(run.job, PoolingJob):
+            self._start_pooling(run, run.job)
+            return
         lease, job_id, job = run.lease, run.job_id, run.job
         now = time.time()
         # Earlier attempts' tokens (a released or killed worker's): a read, before the engine.
@@ -148,6 +175,63 @@ class Taker:
             "its worker was killed or crashed, or lost the job's lease"
         )
         self.admission.observe_prompt(num_prompt_tokens, self.engine.num_cached_prefix_tokens(job_id))
+
+    def _start_pooling(self, run: intake.Run, job: PoolingJob) -> None:
+        """Hold a pooling job and queue its inputs' requests for add_pooled_requests."""
+        lease, job_id = run.lease, run.job_id
+        now = time.time()
+        try:
+            prompts = pooling_prompts(self.engine, job)
+            params = pooling_params(job)
+        except Exception as exc:
+            if not isinstance(exc, InvalidRequestError):  # UnsupportedTaskError included
+                logger.warning("job %s: cannot prepare its inputs", job_id, exc_info=self.log_payloads)
+            self._apply(intake.start_failure(run, exc))
+            return
+        num_tokens = [num_tokens_to_compute(p, job.truncate_prompt_tokens) for p in prompts]
+        request_ids = [request_id_of(job_id, i) for i in range(len(prompts))]
+        limits = [t for t in (job.timeout_s, lease.time_limit_s) if t is not None]
+        deadline = now + min(limits) if limits else None
+        fan_in = PoolingFanIn(request_ids, num_tokens, job.encoding_format)
+        held = HeldJob(job, lease, sum(num_tokens), deadline, fan_in=fan_in)
+        self.held.add(held)
+        arrival_time = lease.enqueued_at or now
+        self._pooled.extend(
+            _PooledRequest(held, request_id, prompt, params, n, arrival_time)
+            for request_id, prompt, n in zip(request_ids, prompts, num_tokens, strict=True)
+        )
+        self.metrics.observe_prompt_tokens(sum(num_tokens))
+        self.admission.observe_pooling(sum(num_tokens), len(prompts))
+        self._attempt_notes[job_id] = (
+            f"attempt {lease.delivery_count} (worker {self.worker_name}) ended without a result: "
+            "its worker was killed or crashed, or lost the job's lease"
+        )
+
+    def add_pooled_requests(self) -> None:
+        """Hand this pull's pooling requests to the engine, shortest first, so that the
+        scheduler's steps pack inputs of like lengths (its queue is first come, first served). A
+        job whose input the engine refuses fails as a whole; its other requests are aborted."""
+        pooled, self._pooled = self._pooled, []
+        pooled.sort(key=lambda r: r.num_tokens)
+        for request in pooled:
+            held = request.held
+            if self.held.get(held.job.id) is not held:
+                continue  # failed on an earlier input (or dropped) already
+            try:
+                self.engine.add_request(
+                    request.request_id,
+                    request.prompt,
+                    request.params,
+                    priority=held.job.priority,
+                    arrival_time=request.arrival_time,
+                )
+            except Exception as exc:
+                if not isinstance(exc, InvalidRequestError):
+                    logger.warning(
+                        "job %s: the engine refused an input", held.job.id, exc_info=self.log_payloads
+                    )
+                self.held.drop(held.job.id)
+                self._apply(intake.start_failure(intake.Run(held.lease, held.job.id, held.job), exc))
 
     def _add_request(
         self,
