@@ -21,7 +21,8 @@ from qworker.config import EngineConfig
 from qworker.lora.modules import parse_lora_modules
 from qworker.openai.batches.output import BatchOutput, OutputFile, state_path
 from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
-from qworker.openai.rows import RowFailure, RowRequest, prepare_rows
+from qworker.openai.pooling_rows import BatchRow, prepare_batch_rows
+from qworker.openai.rows import RowFailure
 
 if TYPE_CHECKING:
     from qworker.engine.llm_engine import LLMEngine
@@ -104,7 +105,7 @@ def run_batch(run: BatchRun, engine_config: EngineConfig, engine: LLMEngine | No
         f"across the pool at {_redacted(run.queue)}" if run.queue else "local",
     )
     summary = BatchSummary(checked.num_rows, num_done)
-    rows = prepare_rows(
+    rows = prepare_batch_rows(
         (row for row in iter_rows(input_location) if row.custom_id not in done),
         batch_id=batch_id,
         served_model_names=served,
@@ -137,7 +138,7 @@ def _run_local(
     run: BatchRun,
     output: BatchOutput,
     summary: BatchSummary,
-    rows: Iterator[RowRequest | RowFailure],
+    rows: Iterator[BatchRow | RowFailure],
 ) -> None:
     from qworker.batch.local import LocalRunner
     from qworker.lora.adapter_list import AdapterList
@@ -157,7 +158,7 @@ def _run_pool(
     run: BatchRun,
     output: BatchOutput,
     summary: BatchSummary,
-    rows: Iterator[RowRequest | RowFailure],
+    rows: Iterator[BatchRow | RowFailure],
     batch_id: str,
     journal_path: Path,
 ) -> None:

@@ -22,7 +22,7 @@ from qworker.gateway.errors import install_error_handlers
 from qworker.gateway.limits import BodyLimitMiddleware
 from qworker.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from qworker.gateway.pool import Pool
-from qworker.gateway.routes import chat, completions, health, models, tokenize
+from qworker.gateway.routes import chat, completions, health, models, pooling, tokenize
 from qworker.gateway.settings import GatewaySettings
 from qworker.gateway.state import GatewayState
 
@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_ROUTERS: tuple[APIRouter, ...] = (
     chat.router,
     completions.router,
+    # issue 40: embeddings, score, rerank, pooling
+    pooling.router,
     models.router,
     tokenize.router,
     health.router,

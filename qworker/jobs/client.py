@@ -26,9 +26,22 @@ from qworker.backends.connections import (
     s3_location_of_results,
 )
 from qworker.backends.source import OutgoingJob
+from qworker.errors import QworkerError
 from qworker.jobs.affinity import affinity_key
-from qworker.jobs.job import Job, JobResult, encode_job
+from qworker.jobs.job import Job, JobResult
+from qworker.jobs.pooling_job import AnyJob, PoolingJob, decode_vector, encode_any_job
 from qworker.jobs.text_follower import TextFollower
+
+
+class JobFailedError(QworkerError):
+    """A job that a helper waited on (Client.embed) ended without completing: its result says why."""
+
+    def __init__(self, result: JobResult) -> None:
+        reason = (
+            f"{result.error.type}: {result.error.message}" if result.error is not None else "no error given"
+        )
+        super().__init__(f"job {result.id} ended {result.status.value}: {reason}")
+        self.result = result
 
 
 class Client:
@@ -57,32 +70,55 @@ class Client:
         self.sink.close()
 
     @staticmethod
-    def _as_job(job: Job | dict[str, Any] | str) -> Job:
-        if isinstance(job, Job):
+    def _as_job(job: AnyJob | dict[str, Any] | str) -> AnyJob:
+        if isinstance(job, Job | PoolingJob):
             return job
         if isinstance(job, str):
             return Job(prompt=job)
-        return Job.model_validate(job)
+        # A dict naming a task is a pooling job (jobs/pooling_job.py), as on the wire.
+        return PoolingJob.model_validate(job) if "task" in job else Job.model_validate(job)
 
-    def submit(self, job: Job | dict[str, Any] | str, group_id: str | None = None) -> str:
+    def submit(self, job: AnyJob | dict[str, Any] | str, group_id: str | None = None) -> str:
         """Validate and enqueue one job (a Job, its dict, or a prompt string). Returns its id.
 
         `group_id` is the ordering group on an SQS FIFO queue (default: the job id)."""
         return self.submit_many([job], group_id=group_id)[0]
 
     def submit_many(
-        self, jobs: Iterable[Job | dict[str, Any] | str], group_id: str | None = None
+        self, jobs: Iterable[AnyJob | dict[str, Any] | str], group_id: str | None = None
     ) -> list[str]:
         """Validate every job first, then enqueue them all (in as few round trips as the queue
         allows). Returns their ids."""
         validated = [self._as_job(job) for job in jobs]
         self.producer.send(
             [
-                OutgoingJob(job.id, encode_job(job), group_id, job.priority, affinity_key(job))
+                OutgoingJob(
+                    job.id,
+                    encode_any_job(job),
+                    group_id,
+                    job.priority,
+                    affinity_key(job) if isinstance(job, Job) else job.affinity,
+                )
                 for job in validated
             ]
         )
         return [job.id for job in validated]
+
+    def embed(
+        self,
+        input: str | list[str] | list[int] | list[list[int]],
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> list[list[float]]:
+        """Embed `input` (one vector per input, in order) on the pool: submit an embed job, wait
+        for its result. `fields` are the job's others (dimensions, normalize, truncate_prompt_tokens,
+        priority, ...). Raises JobFailedError when the job does not complete, TimeoutError after
+        `timeout` seconds."""
+        job_id = self.submit(PoolingJob(task="embed", input=input, **fields))
+        result = self.result(job_id, timeout=timeout)
+        if result.pooled is None:
+            raise JobFailedError(result)
+        return [decode_vector(item.data) for item in result.pooled]
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
         """Yield the job's text deltas as the worker generates them, until its result is stored.

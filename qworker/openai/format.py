@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
+from qworker.openai.pooling_format import EmbeddingResponse
+
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
@@ -178,7 +180,8 @@ class ErrorBody(_Strict):
 class BatchResponse(_Strict):
     status_code: int
     request_id: str
-    body: ChatCompletion | TextCompletion | ErrorBody
+    # An embeddings row's body is OpenAI's embeddings list (openai/pooling_format.py).
+    body: ChatCompletion | TextCompletion | EmbeddingResponse | ErrorBody
 
 
 class BatchError(_Strict):
@@ -226,7 +229,9 @@ def output_line_id(request_id: str) -> str:
     return f"batch_req_{request_id.replace('-', '')}"
 
 
-def success_line(custom_id: str, request_id: str, body: ChatCompletion | TextCompletion) -> BatchOutputLine:
+def success_line(
+    custom_id: str, request_id: str, body: ChatCompletion | TextCompletion | EmbeddingResponse
+) -> BatchOutputLine:
     return BatchOutputLine(
         id=output_line_id(request_id),
         custom_id=custom_id,

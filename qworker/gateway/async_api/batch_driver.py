@@ -48,7 +48,7 @@ from qworker.openai.batches.pool import DEFAULT_POOL_MAX_TOKENS, PoolRunner
 from qworker.openai.batches.progress import BatchSummary, Progress, ProgressMode
 from qworker.openai.batches.submitted import open_submitted
 from qworker.openai.batches.validate import BatchFileError, check_input
-from qworker.openai.rows import prepare_rows
+from qworker.openai.pooling_rows import prepare_batch_rows
 from qworker.pool.batch_board import BatchBoard
 
 logger = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ class BatchDriver:
             self._save(batch, owner)
             return False
 
-        rows = prepare_rows(
+        rows = prepare_batch_rows(
             (row for row in iter_rows(location) if row.custom_id not in done),
             batch_id=batch_id,
             served_model_names=[self.settings.model],

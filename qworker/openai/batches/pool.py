@@ -38,11 +38,13 @@ from qworker.jobs.job import (
     format_validation_error,
     logprobs_dict,
 )
+from qworker.jobs.pooling_job import AnyJob
 from qworker.openai.batches.output import BatchOutput
 from qworker.openai.batches.progress import Progress
 from qworker.openai.batches.submitted import SubmittedJournal, SubmittedRecord  # noqa: F401 - SubmittedJournal: its old home
 from qworker.openai.bodies import Generation, response_body
 from qworker.openai.format import BatchOutputLine, RowError, error_line, success_line
+from qworker.openai.pooling_rows import BatchRow, EmbeddingRow, embedding_line
 from qworker.openai.rows import RowFailure, RowRequest
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ ERROR_STATUS = {
     "InvalidParamsError": (400, "invalid_request_error"),
     "StructuredOutputError": (400, "invalid_request_error"),
     "InvalidRequestError": (400, "invalid_request_error"),
+    # A task the worker's model cannot do (a generation model asked to embed, or the reverse).
+    "UnsupportedTaskError": (400, "invalid_request_error"),
     "ValidationError": (400, "invalid_request_error"),
     "InvalidJSON": (400, "invalid_request_error"),
     "JobTooLarge": (413, "request_too_large"),
@@ -146,12 +150,15 @@ def _message(result: JobResult, default: str) -> str:
     return f"{result.error.type}: {result.error.message}"
 
 
-def line_of_result(row: RowRequest, result: JobResult) -> tuple[BatchOutputLine, int, int]:
+def line_of_result(row: BatchRow, result: JobResult) -> tuple[BatchOutputLine, int, int]:
     """The row's output line, and its prompt and completion token counts."""
     try:
         if result.status is not JobStatus.COMPLETED:
             raise error_of_result(result)
         created = int(result.timings.finished_at or time.time())
+        if isinstance(row, EmbeddingRow):
+            line, num_prompt_tokens = embedding_line(row, result, created)
+            return line, num_prompt_tokens, 0
         body = response_body(row, generation_from_result(result), created)
     except RowError as exc:
         return error_line(row.custom_id, row.request_id, exc), 0, 0
@@ -184,8 +191,8 @@ class PoolRunner:
         self.should_stop = should_stop
         # Set when should_stop ended the run early: the rows in pending_ids() have no line.
         self.is_stopped = False
-        self._pending: dict[str, RowRequest] = {}
-        self._to_send: list[Job] = []
+        self._pending: dict[str, BatchRow] = {}
+        self._to_send: list[AnyJob] = []
         # Rows whose results were in the store before this run sent anything for them.
         self._collected: set[str] = set()
         self._poll_s = MIN_POLL_S
@@ -200,7 +207,7 @@ class PoolRunner:
             self.is_stopped = True
         return self.is_stopped
 
-    def run(self, rows: Iterable[RowRequest | RowFailure]) -> None:
+    def run(self, rows: Iterable[BatchRow | RowFailure]) -> None:
         self.progress.start()
         for item in rows:
             if self._stopping():
@@ -210,7 +217,10 @@ class PoolRunner:
                 continue
             if item.request_id not in self.journal:
                 try:
-                    self._to_send.append(job_for(item, self.default_max_tokens))
+                    if isinstance(item, EmbeddingRow):
+                        self._to_send.append(item.job)
+                    else:
+                        self._to_send.append(job_for(item, self.default_max_tokens))
                 except RowError as exc:
                     self._write(error_line(item.custom_id, item.request_id, exc), exc.status_code)
                     continue

@@ -27,7 +27,7 @@ from qworker.gateway.async_api.records import Records
 from qworker.gateway.async_api.routes.files import owned_file
 from qworker.gateway.async_api.services import async_api, request_owner
 from qworker.gateway.errors import GatewayError
-from qworker.openai.format import SUPPORTED_URLS
+from qworker.openai.pooling_rows import BATCH_URLS
 
 router = APIRouter(tags=["batches"])
 IDEMPOTENCY_SCOPE = "POST /v1/batches"
@@ -57,9 +57,9 @@ def owned_batch(records: Records, batch_id: str, owner: str) -> dict[str, Any]:
 
 
 def _create(records: Records, owner: str, body: CreateBatch, model: str) -> dict[str, Any]:
-    if body.endpoint not in SUPPORTED_URLS:
+    if body.endpoint not in BATCH_URLS:
         raise GatewayError(
-            400, f"endpoint must be one of {sorted(SUPPORTED_URLS)}, got {body.endpoint!r}", param="endpoint"
+            400, f"endpoint must be one of {sorted(BATCH_URLS)}, got {body.endpoint!r}", param="endpoint"
         )
     if body.completion_window not in COMPLETION_WINDOWS:
         raise GatewayError(
