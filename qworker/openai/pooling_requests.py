@@ -84,7 +84,9 @@ def _check_input(value: Any) -> None:
         raise RowError("input is required", param="input")
     if value == "" or value == []:
         raise RowError("input is empty: give a string, token ids, or a list of either", param="input")
-    if isinstance(value, list) and len(value) > MAX_POOLING_INPUTS:
+    # A flat list of ints is one input (token ids), however long: the context check sizes it.
+    is_one_token_list = isinstance(value, list) and all(isinstance(v, int) for v in value)
+    if isinstance(value, list) and not is_one_token_list and len(value) > MAX_POOLING_INPUTS:
         raise RowError(
             f"input holds {len(value)} items; the limit is {MAX_POOLING_INPUTS} per request", param="input"
         )
