@@ -221,6 +221,42 @@ def test_n_and_several_prompts_are_indexed_as_openai_does(sdk):
     assert texts[2] == single.choices[0].text
 
 
+@pytest.mark.timeout(120)
+def test_penalties_and_biases_reach_the_worker(sdk, gateway, worker):
+    def text_of(tokens: list[int]) -> str:
+        body = {"tokens": tokens}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        return httpx.post(f"{gateway.url}/detokenize", json=body, headers=headers).json()["prompt"]
+
+    forced = sdk.completions.create(
+        model="smollm2",
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"77": 100},
+        frequency_penalty=0.5,
+    )
+    assert forced.choices[0].text == text_of([77] * 4)
+    allowed = sdk.chat.completions.create(
+        model="smollm2",
+        messages=CHAT,
+        max_tokens=3,
+        temperature=0.8,
+        seed=3,
+        presence_penalty=-1,
+        extra_body={"allowed_token_ids": [77, 78], "repetition_penalty": 1.2, "ignore_eos": True},
+    )
+    assert allowed.choices[0].message.content in {
+        text_of([a, b, c]) for a in (77, 78) for b in (77, 78) for c in (77, 78)
+    }
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.chat.completions.create(model="smollm2", messages=CHAT, presence_penalty=2.5)
+    assert bad.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as outside:
+        sdk.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2, logit_bias={"10000000": 1})
+    assert "logit_bias" in str(outside.value)
+
+
 @pytest.mark.timeout(60)
 def test_models_list(sdk):
     assert [m.id for m in sdk.models.list()] == ["smollm2"]
