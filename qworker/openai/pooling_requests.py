@@ -39,10 +39,12 @@ RERANK_IGNORED_FIELDS = frozenset({"max_chunks_per_doc", "rank_fields"})
 _JOB_FIELDS = ("truncate_prompt_tokens", "priority", "affinity")
 
 
-def _check_fields(body: Any, allowed: frozenset[str], what: str) -> dict[str, Any]:
+def _check_fields(
+    body: Any, allowed: frozenset[str], what: str, ignored: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RowError("the body must be a JSON object", param="body")
-    unknown = sorted(set(body) - allowed - RERANK_IGNORED_FIELDS)
+    unknown = sorted(set(body) - allowed - ignored)
     if unknown:
         raise RowError(
             f"{unknown[0]!r} is not a field of {what} requests (fields: {', '.join(sorted(allowed))})",
@@ -172,7 +174,7 @@ class RerankRequest:
 
 def rerank_job(body: Any) -> RerankRequest:
     """vLLM's rerank body (`/rerank`, `/v1/rerank`, `/v2/rerank`), Cohere's and Jina's shapes."""
-    body = _check_fields(body, RERANK_FIELDS, "rerank")
+    body = _check_fields(body, RERANK_FIELDS, "rerank", RERANK_IGNORED_FIELDS)
     query = body.get("query")
     if not isinstance(query, str):
         raise RowError("query must be a string", param="query")
