@@ -134,6 +134,10 @@ def count_prompt_tokens(row: RowRequest, tokenizer: GatewayTokenizer | None) -> 
 def _check_context(row: RowRequest, num_prompt_tokens: int, max_model_len: int | None) -> None:
     if max_model_len is None:
         return
+    # truncate_prompt_tokens: the worker keeps only the prompt's last k tokens (-1: max_model_len - 1).
+    keep = row.sampling.get("truncate_prompt_tokens")
+    if isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1):
+        num_prompt_tokens = min(num_prompt_tokens, max_model_len - 1 if keep == -1 else keep)
     param = "messages" if row.messages is not None else "prompt"
     if num_prompt_tokens >= max_model_len:
         raise GatewayError(

@@ -255,6 +255,13 @@ def test_penalties_and_biases_reach_the_worker(sdk, gateway, worker):
     with pytest.raises(openai.BadRequestError) as outside:
         sdk.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2, logit_bias={"10000000": 1})
     assert "logit_bias" in str(outside.value)
+    # A prompt past the context runs truncated to its last k tokens, as the same k tokens alone do.
+    prompt = [1] * 9000 + [504, 1142, 282]
+    truncated = sdk.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=3, temperature=0, extra_body={"truncate_prompt_tokens": 3}
+    )
+    alone = sdk.completions.create(model="smollm2", prompt=prompt[-3:], max_tokens=3, temperature=0)
+    assert truncated.choices[0].text == alone.choices[0].text
 
 
 @pytest.mark.timeout(60)
