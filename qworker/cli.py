@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -223,6 +223,20 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
         server.close()
 
 
+def _params_of(items: list[str]) -> dict[str, Any]:
+    """--param NAME=VALUE items as params fields: VALUE read as JSON, else kept as a string."""
+    params: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise typer.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--param")
+        try:
+            params[name.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            params[name.strip()] = text
+    return params
+
+
 @app.command()
 def submit(
     prompt: Annotated[str, typer.Argument(help="The prompt (sent as one user chat message unless --raw)")],
@@ -237,6 +251,14 @@ def submit(
     temperature: Annotated[
         float, typer.Option(help="Sampling temperature; 0 is greedy (params.temperature)")
     ] = 0.0,
+    param: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--param",
+            help="Another SamplingParams field, NAME=VALUE with VALUE as JSON (else a string); repeatable, "
+            "e.g. --param presence_penalty=0.5 --param 'logit_bias={\"77\": 100}'",
+        ),
+    ] = None,
     lora: Annotated[
         str | None, typer.Option(help="The LoRA adapter to generate with: a name the workers serve")
     ] = None,
@@ -255,7 +277,7 @@ def submit(
     from qworker.jobs.client import Client
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    job: dict = {"params": {"max_tokens": max_tokens, "temperature": temperature}}
+    job: dict = {"params": {"max_tokens": max_tokens, "temperature": temperature, **_params_of(param or [])}}
     if raw:
         job["prompt"] = prompt
     else:

@@ -30,6 +30,11 @@ def submit(queue_url: str, *args: str):
         (["--raw", ""], "job: prompt is empty"),
         (["--affinity", "k" * 257, "hi"], "affinity: affinity is 257 bytes of UTF-8; the limit is 256"),
         (["--lora", "", "hi"], "lora: String should have at least 1 character"),
+        (["--param", "presence_penalty=3", "hi"], "params: presence_penalty must be in [-2, 2], got 3.0"),
+        (
+            ["--param", 'logit_bias={"5": 101}', "hi"],
+            "params: logit_bias[5] must be in [-100, 100], got 101.0",
+        ),
     ],
 )
 def test_an_invalid_job_is_one_line_and_exit_2(queue_url, args, message):
