@@ -1,0 +1,177 @@
+"""Embedding throughput (input tokens/s) of SmolLM2 with last-token pooling, side by side in one
+run: qworker's `LLM.embed`, plain transformers (batched, sorted by length, padded) and
+sentence-transformers' `encode` when it is installed (batch sizes 32 and 128, sorted by length as
+its docs advise). Each system is one entry of SYSTEMS: a name and a function from the corpus to
+its vectors, so that more systems (the queue path through a worker) are one more entry.
+
+The corpus: --num-texts texts of 8 to 512 tokens, lengths drawn from a seeded long-tailed
+(log-normal) distribution, made of words from SmolLM2's vocabulary. Every system gets the same
+texts; the input tokens counted are the tokenizer's (no special tokens, no chat template). The
+table's `max |cos - 1|` compares each system's vectors with the first system's.
+
+    .venv/bin/python scripts/bench_pooling.py --num-texts 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qworker.engine.llm import LLM
+from qworker.engine.pooling_params import PoolingParams
+from qworker.engine.runner import resolve_dtype
+from qworker.engine.startup import cpu_model_name
+from qworker.model.loader import load_tokenizer, resolve_model
+
+MIN_TOKENS, MAX_TOKENS = 8, 512
+
+
+@dataclass
+class Corpus:
+    texts: list[str]
+    num_tokens: list[int]
+
+
+def make_corpus(tokenizer: Any, num_texts: int, seed: int) -> Corpus:
+    """Texts of words from the tokenizer's vocabulary, each cut to a drawn token length."""
+    rng = random.Random(seed)
+    words = sorted(
+        token[1:] for token in tokenizer.get_vocab() if token.startswith("Ġ") and token[1:].isalpha()
+    )
+    texts, lengths = [], []
+    for _ in range(num_texts):
+        target = int(min(MAX_TOKENS, max(MIN_TOKENS, rng.lognormvariate(4.0, 0.9))))
+        ids = tokenizer.encode(" ".join(rng.choices(words, k=target + 8)), add_special_tokens=False)[:target]
+        text = tokenizer.decode(ids)
+        texts.append(text)
+        lengths.append(len(tokenizer.encode(text, add_special_tokens=False)))
+    return Corpus(texts, lengths)
+
+
+def qworker_embed(args: argparse.Namespace) -> Callable[[Corpus], torch.Tensor]:
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        pooling_type="LAST",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+    def run(corpus: Corpus) -> torch.Tensor:
+        outputs = llm.embed(corpus.texts, PoolingParams())
+        return torch.tensor([o.outputs.embedding for o in outputs])
+
+    return run
+
+
+def transformers_batched(args: argparse.Namespace, batch_size: int) -> Callable[[Corpus], torch.Tensor]:
+    """AutoModel's last hidden state at each text's last token, L2-normalised: batches of
+    `batch_size` texts sorted by length, right-padded (what sentence-transformers runs)."""
+    from transformers import AutoModel
+
+    path = resolve_model(args.model).path
+    tokenizer = load_tokenizer(path)
+    model = AutoModel.from_pretrained(path, dtype=resolve_dtype(args.dtype, torch.device("cpu"))).eval()
+
+    def run(corpus: Corpus) -> torch.Tensor:
+        order = sorted(range(len(corpus.texts)), key=lambda i: corpus.num_tokens[i])
+        vectors: list[torch.Tensor | None] = [None] * len(order)
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                rows = order[start : start + batch_size]
+                batch = tokenizer(
+                    [corpus.texts[i] for i in rows],
+                    padding=True,
+                    return_tensors="pt",
+                    add_special_tokens=False,
+                )
+                hidden = model(**batch).last_hidden_state
+                last = batch["attention_mask"].sum(1) - 1
+                pooled = torch.nn.functional.normalize(hidden[torch.arange(len(rows)), last].float(), dim=-1)
+                for row, vector in zip(rows, pooled, strict=True):
+                    vectors[row] = vector
+        return torch.stack([v for v in vectors if v is not None])
+
+    return run
+
+
+def sentence_transformers_encode(
+    args: argparse.Namespace, batch_size: int
+) -> Callable[[Corpus], torch.Tensor]:
+    from sentence_transformers import SentenceTransformer, models
+
+    path = str(resolve_model(args.model).path)
+    word = models.Transformer(path, model_args={"dtype": resolve_dtype(args.dtype, torch.device("cpu"))})
+    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="lasttoken")
+    model = SentenceTransformer(modules=[word, pooling, models.Normalize()], device="cpu")
+
+    def run(corpus: Corpus) -> torch.Tensor:
+        return model.encode(corpus.texts, batch_size=batch_size, convert_to_tensor=True).float()
+
+    return run
+
+
+def systems(args: argparse.Namespace) -> dict[str, Callable[[], Callable[[Corpus], torch.Tensor]]]:
+    table: dict[str, Callable[[], Callable[[Corpus], torch.Tensor]]] = {
+        "qworker LLM.embed": lambda: qworker_embed(args),
+        "transformers, batch 32, sorted": lambda: transformers_batched(args, 32),
+    }
+    if importlib.util.find_spec("sentence_transformers") is not None:
+        for batch_size in (32, 128):
+            table[f"sentence-transformers encode, batch {batch_size}"] = lambda b=batch_size: (
+                sentence_transformers_encode(args, b)
+            )
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--num-texts", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", help="auto: bf16 only on CPUs with bf16 hardware")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(resolve_model(args.model).path)
+    corpus = make_corpus(tokenizer, args.num_texts, args.seed)
+    total = sum(corpus.num_tokens)
+    print(
+        f"{args.num_texts} texts, {total} input tokens "
+        f"({min(corpus.num_tokens)}-{max(corpus.num_tokens)} each); "
+        f"{cpu_model_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {platform.python_version()}, "
+        f"dtype {resolve_dtype(args.dtype, torch.device('cpu'))}, torch threads {torch.get_num_threads()}"
+    )
+    if importlib.util.find_spec("sentence_transformers") is None:
+        print("sentence-transformers is not installed in this environment: its rows are not run")
+    rows = []
+    reference: torch.Tensor | None = None
+    for name, build in systems(args).items():
+        run = build()
+        run(Corpus(corpus.texts[:8], corpus.num_tokens[:8]))  # warm-up
+        started = time.perf_counter()
+        vectors = run(corpus)
+        seconds = time.perf_counter() - started
+        reference = vectors if reference is None else reference
+        drift = float((torch.nn.functional.cosine_similarity(vectors, reference) - 1).abs().max())
+        rows.append((name, seconds, total / seconds, drift))
+        print(f"{name}: {seconds:.1f} s, {total / seconds:.0f} input tokens/s", flush=True)
+        del run
+    base = rows[0][2]
+    print("\n| system | seconds | input tokens/s | vs qworker | max abs(cos - 1) vs qworker |")
+    print("|---|---|---|---|---|")
+    for name, seconds, rate, drift in rows:
+        print(f"| {name} | {seconds:.1f} | {rate:.0f} | {rate / base:.2f}x | {drift:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
