@@ -65,12 +65,17 @@ def prompt_ids():
 
 
 @pytest.fixture(scope="module")
-def expected(prompt_ids):
+def hf_smollm2():
     from transformers import AutoModelForCausalLM
 
     from qworker.model.loader import resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2").path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model("smollm2").path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def expected(prompt_ids, hf_smollm2):
+    model = hf_smollm2
     outs = []
     with torch.no_grad():
         for ids in prompt_ids:
@@ -134,3 +139,29 @@ def test_text_and_chat_api(prompt_ids, expected):
     chat = llm.chat(CHATS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
     assert chat.outputs[0].token_ids == expected[8]
     assert chat.metrics.arrival_time <= chat.metrics.first_token_time <= chat.metrics.finished_time
+
+
+def test_repetition_penalty_equals_transformers(prompt_ids, expected, hf_smollm2):
+    """vLLM's repetition_penalty is transformers' (over the prompt and the output): greedy tokens
+    equal `generate(repetition_penalty=...)`'s, for a penalty above 1 and one below, in one batch
+    (two short prompts, 12 tokens: transformers' generate is most of the cost)."""
+    num_tokens = 12
+    requests = [(prompt_ids[i], r) for i in (1, 3) for r in (1.3, 0.85)]
+    llm = LLM("smollm2", dtype="float32", num_kv_blocks=200)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in requests],
+        [SamplingParams(max_tokens=num_tokens, temperature=0.0, repetition_penalty=r) for _, r in requests],
+    )
+    got = [out.outputs[0].token_ids for out in outs]
+    for (ids, penalty), tokens in zip(requests, got, strict=True):
+        with torch.no_grad():
+            gen = hf_smollm2.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=num_tokens,
+                do_sample=False,
+                repetition_penalty=penalty,
+            )
+        assert tokens == gen[0, len(ids) :].tolist(), penalty
+    unpenalized = [expected[1][:num_tokens], expected[3][:num_tokens]]
+    assert any(tokens not in unpenalized for tokens in got), "the penalties changed no output"
