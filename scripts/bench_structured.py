@@ -12,6 +12,10 @@
    per step (masks, matcher advance, mask application), timed around those functions.
 4. Fast-forward: the same 64 jobs with fast-forward on and off: wall time, steps, forced tokens.
 
+`--compare-objects --dtype float32 --max-tokens 384` runs 1 and 2 only, twice: objects open (JSON
+Schema as written, `disable_additional_properties: false`) and closed (the default), and names the
+schemas that finish in one and not the other (issue 43 item 4).
+
 Figures depend on the machine: the output names it (lscpu model, flags). Run it alone.
 """
 
@@ -125,20 +129,35 @@ def run(engine: LLMEngine, jobs: list[tuple[dict, SamplingParams]]) -> tuple[dic
     return outputs, time.perf_counter() - started, engine.num_steps - steps
 
 
-def generation_set(engine: LLMEngine, schemas: dict[str, dict], accepted: list[str], max_tokens: int) -> dict:
+def generation_set(
+    engine: LLMEngine,
+    schemas: dict[str, dict],
+    accepted: list[str],
+    max_tokens: int,
+    closed_objects: bool | None = None,
+) -> dict:
+    """Greedy outputs of the accepted schemas. `closed_objects`: each request's
+    structured_outputs.disable_additional_properties (None: the engine's default, closed)."""
+    constraint: dict[str, Any] = {}
+    if closed_objects is not None:
+        constraint["disable_additional_properties"] = closed_objects
     jobs = [
         (
             prompt(engine, schemas[n]),
-            SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs={"json": schemas[n]}),
+            SamplingParams(
+                max_tokens=max_tokens, temperature=0, structured_outputs={"json": schemas[n], **constraint}
+            ),
         )
         for n in accepted
     ]
     outputs, seconds, _ = run(engine, jobs)
     num_stop = num_valid = num_length = 0
+    finished = []
     for i, name in enumerate(accepted):
         completion = outputs[f"job-{i}"].outputs[0]
         if completion.finish_reason == "stop":
             num_stop += 1
+            finished.append(name)
             try:
                 jsonschema.validators.validator_for(schemas[name])(schemas[name]).validate(
                     json.loads(completion.text)
@@ -155,6 +174,7 @@ def generation_set(engine: LLMEngine, schemas: dict[str, dict], accepted: list[s
         "stop_valid": f"{num_valid}/{num_stop}",
         "length_share": round(num_length / len(accepted), 3),
         "seconds": round(seconds, 1),
+        "finished": finished,
     }
 
 
@@ -266,6 +286,12 @@ def main() -> None:
     parser.add_argument("--speed-max-tokens", type=int, default=96)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-generation", action="store_true", help="compile checks and speed only")
+    parser.add_argument(
+        "--compare-objects",
+        action="store_true",
+        help="the schema set generated twice, objects open (JSON Schema as written) then closed "
+        "(disable_additional_properties, the default), then stop: compile checks and generation only",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--heavy",
@@ -294,6 +320,19 @@ def main() -> None:
     schemas = load_schemas()
     result["compile"], accepted = compile_set(engine, schemas)
     print(json.dumps(result, indent=2), flush=True)
+    if args.compare_objects:
+        for name, closing in (("generation_open_objects", False), ("generation_closed_objects", True)):
+            result[name] = generation_set(engine, schemas, accepted, args.max_tokens, closing)
+            print(json.dumps(result[name], indent=2), flush=True)
+        opened = set(result["generation_open_objects"]["finished"])
+        closed = set(result["generation_closed_objects"]["finished"])
+        result["finished_only_closed"] = sorted(closed - opened)
+        result["finished_only_open"] = sorted(opened - closed)
+        print(json.dumps({k: result[k] for k in ("finished_only_closed", "finished_only_open")}, indent=2))
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        engine.structured.close()
+        return
     if not args.skip_generation:
         result["generation"] = generation_set(engine, schemas, accepted, args.max_tokens)
         print(json.dumps(result["generation"], indent=2), flush=True)

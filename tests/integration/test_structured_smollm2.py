@@ -314,3 +314,33 @@ def test_abort_while_compiling(engine):
     engine.add_request("abort-me", prompt, SamplingParams(structured_outputs={"json": schema}))
     engine.abort("abort-me")
     assert not engine.has_unfinished_requests()
+
+
+def test_optional_properties_are_not_padded_with_keys_the_schema_does_not_name(tight_engine):
+    # Issue 43 item 4: objects are closed by default (disable_additional_properties), as vLLM's
+    # default grammar; a request may follow JSON Schema literally instead. fp32 greedy.
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "city": {"type": "string", "maxLength": 12},
+        },
+    }
+    messages = [{"role": "user", "content": "Describe a person as JSON with name, age, city and hobbies."}]
+    prompt = {"prompt_token_ids": tight_engine.apply_chat_template(messages)}
+    for closing in (None, False):
+        constraint = {"json": schema, "disable_additional_properties": closing}
+        params = SamplingParams(max_tokens=96, temperature=0, structured_outputs=constraint)
+        tight_engine.add_request(f"closed-{closing}", prompt, params)
+    outputs = run_to_completion(tight_engine)
+    closed = outputs["closed-None"].outputs[0]
+    assert closed.finish_reason == "stop", closed.text
+    value = json.loads(closed.text)
+    assert set(value) <= set(schema["properties"]), value
+    jsonschema.validate(value, schema)
+    # The open grammar still lets the model write any key (checked token by token in
+    # tests/unit/test_closed_objects.py); whatever it wrote, a finished output is valid.
+    opened = outputs["closed-False"].outputs[0]
+    if opened.finish_reason == "stop":
+        jsonschema.validate(json.loads(opened.text), schema)

@@ -152,3 +152,21 @@ def test_the_grammar_refuses_unnamed_keys_unless_told_otherwise(tokenizer, engin
     assert accepts(backend, StructuredOutputs(json=allowing), '{"extra": 1}', tokenizer)
     assert not accepts(backend, StructuredOutputs(json=allowing), '{"extra": "x"}', tokenizer)
     assert accepts(backend, StructuredOutputs(json={"type": "object"}), json.dumps({"any": 1}), tokenizer)
+
+
+def test_a_schema_that_closing_makes_unsatisfiable_compiles_as_written(tokenizer):
+    pytest.importorskip("llguidance")
+    from qworker.engine.structured.backend import LLGuidanceBackend
+
+    backend = LLGuidanceBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    # "b" is required but named only in the allOf branch: closing the outer object forbids it.
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a", "b"],
+        "allOf": [{"properties": {"b": {"type": "integer"}}}],
+    }
+    spec = StructuredOutputs(json=schema)
+    with pytest.raises(StructuredOutputError):
+        backend._compile(spec, close=True)
+    assert accepts(backend, spec, '{"a": 1, "b": 2}', tokenizer)

@@ -104,8 +104,16 @@ class LLGuidanceBackend:
             self._executor = llg.LLExecutor()
         return self._tokenizer
 
-    def grammar_text(self, spec: StructuredOutputs) -> str:
-        """The backend's own grammar for `spec` (llguidance JSON), or StructuredOutputError."""
+    def closes_objects(self, spec: StructuredOutputs) -> bool:
+        """Whether `spec`'s JSON objects are closed (its own option, else this backend's)."""
+        closing = spec.disable_additional_properties
+        return spec.json is not None and (
+            closing if closing is not None else self.disable_additional_properties
+        )
+
+    def grammar_text(self, spec: StructuredOutputs, *, close: bool | None = None) -> str:
+        """The backend's own grammar for `spec` (llguidance JSON), or StructuredOutputError.
+        `close`: close JSON objects (None: as closes_objects says)."""
         llg = self._llg()
         LLMatcher = llg.LLMatcher
         try:
@@ -116,8 +124,7 @@ class LLGuidanceBackend:
                 if spec.whitespace_pattern is not None:
                     options["whitespace_pattern"] = spec.whitespace_pattern
                 schema = spec.json
-                closing = spec.disable_additional_properties
-                if closing if closing is not None else self.disable_additional_properties:
+                if close if close is not None else self.closes_objects(spec):
                     schema = close_objects(schema)
                 return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options or None)
             if spec.regex is not None:
@@ -131,9 +138,20 @@ class LLGuidanceBackend:
             raise StructuredOutputError(f"structured_outputs.{spec.kind}: {exc}") from None
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """A schema that closing makes unsatisfiable (a required property named only in an
+        `allOf` branch, say) compiles as written instead, so closing never refuses a schema the
+        backend accepts as written."""
+        try:
+            return self._compile(spec, close=self.closes_objects(spec))
+        except StructuredOutputError:
+            if not self.closes_objects(spec):
+                raise
+            return self._compile(spec, close=False)
+
+    def _compile(self, spec: StructuredOutputs, *, close: bool) -> CompiledGrammar:
         llg = self._llg()
         tokenizer = self._ll_tokenizer()
-        grammar = self.grammar_text(spec)
+        grammar = self.grammar_text(spec, close=close)
         # The default limits bound lexer fuel and Earley items, which is what keeps a
         # catastrophic regex or an enormous schema to bounded time; verbose_errors=False keeps
         # the parser's internals out of messages that reach users.
