@@ -1,0 +1,139 @@
+"""bench_pooling.py's embedding table with the queue path added: the same corpus embedded by one
+`qworker worker` process (SmolLM2, last-token pooling) that reads embed jobs from a private Redis
+stream, against qworker's `LLM.embed` in this process and bench_pooling's other systems, in one
+run. The queue row's time runs from the first job sent to the last result read (Client.submit_many,
+Client.result), so it holds the producer, Redis, the worker's intake and packing, and the result
+writes; `--texts-per-job` says how many texts each embed job carries (1: one job per document,
+the worker packs them; more: fewer, larger jobs). The worker gets the engine options
+`LLM.embed` gets, and runs while this process waits (its torch threads are the machine's).
+
+    .venv/bin/python scripts/bench_pooling_queue.py --num-texts 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_pooling import Corpus, make_corpus, systems
+
+from qworker.engine.runner import resolve_dtype
+from qworker.engine.startup import cpu_model_name
+from qworker.jobs.client import Client
+from qworker.jobs.pooling_job import PoolingJob, decode_vector
+from qworker.model.loader import load_tokenizer, resolve_model
+from qworker.testing.worker_kit import start_private_redis
+
+
+@contextmanager
+def queue_worker(args: argparse.Namespace) -> Iterator[str]:
+    """A private redis-server and one `qworker worker` on it; yields the queue URL."""
+    server = start_private_redis()
+    url = f"{server.url.split('?')[0]}?stream=bench-embed&group=g&prefix=bench-embed"
+    log = Path(tempfile.mkdtemp(prefix="bench-pooling-")) / "worker.log"
+    command = [
+        sys.executable, "-m", "qworker.cli", "worker", "--queue", url, "--model", args.model,
+        "--name", "bench-embed-1", "--dtype", args.dtype, "--device", "cpu", "--pooling-type", "LAST",
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-num-seqs", str(args.max_num_seqs),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        # Its own group, killed whole however this script ends.
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "worker bench-embed-1 ready" not in log.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the worker did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+        server.stop()
+
+
+def queue_embed(url: str, texts_per_job: int) -> Callable[[Corpus], torch.Tensor]:
+    client = Client(queue=url)
+
+    def run(corpus: Corpus) -> torch.Tensor:
+        jobs = [
+            PoolingJob(task="embed", input=corpus.texts[start : start + texts_per_job])
+            for start in range(0, len(corpus.texts), texts_per_job)
+        ]
+        job_ids = client.submit_many(jobs)
+        vectors = []
+        for result in client.results(job_ids, timeout=3600):
+            assert result.pooled is not None, f"job {result.id}: {result.status} {result.error}"
+            vectors.extend(decode_vector(item.data) for item in result.pooled)
+        return torch.tensor(vectors)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--num-texts", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", help="auto: bf16 only on CPUs with bf16 hardware")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--texts-per-job", type=int, default=1)
+    args = parser.parse_args()
+    # A SIGTERM (a timeout) unwinds, so that the worker and the Redis server are stopped too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))
+    tokenizer = load_tokenizer(resolve_model(args.model).path)
+    corpus = make_corpus(tokenizer, args.num_texts, args.seed)
+    total = sum(corpus.num_tokens)
+    print(
+        f"{args.num_texts} texts, {total} input tokens "
+        f"({min(corpus.num_tokens)}-{max(corpus.num_tokens)} each); "
+        f"{cpu_model_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"dtype {resolve_dtype(args.dtype, torch.device('cpu'))}, {args.texts_per_job} text(s) per queued job"
+    )
+    table = dict(systems(args))
+    rows: list[tuple[str, float, float, float]] = []
+    reference: torch.Tensor | None = None
+
+    def measure(name: str, run: Callable[[Corpus], torch.Tensor]) -> None:
+        nonlocal reference
+        run(Corpus(corpus.texts[:8], corpus.num_tokens[:8]))  # warm-up
+        started = time.perf_counter()
+        vectors = run(corpus)
+        seconds = time.perf_counter() - started
+        reference = vectors if reference is None else reference
+        drift = float((torch.nn.functional.cosine_similarity(vectors, reference) - 1).abs().max())
+        rows.append((name, seconds, total / seconds, drift))
+        print(f"{name}: {seconds:.1f} s, {total / seconds:.0f} input tokens/s", flush=True)
+
+    first = next(iter(table))
+    measure(first, table.pop(first)())  # qworker LLM.embed: the reference
+    with queue_worker(args) as url:
+        measure(
+            f"qworker through a queue (1 worker, {args.texts_per_job}/job)",
+            queue_embed(url, args.texts_per_job),
+        )
+    for name, build in table.items():
+        measure(name, build())
+    base = rows[0][2]
+    print("\n| system | seconds | input tokens/s | vs LLM.embed | max abs(cos - 1) vs LLM.embed |")
+    print("|---|---|---|---|---|")
+    for name, seconds, rate, drift in rows:
+        print(f"| {name} | {seconds:.1f} | {rate:.0f} | {rate / base:.2f}x | {drift:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
