@@ -40,8 +40,13 @@ MAX_CONNECTIONS = MAX_READERS + 48
 READ_COUNT = 256
 # A reader's XREAD blocks this long at most, then reissues (picking up keys that joined).
 BLOCK_MS = int(READ_POLL_S * 1000)
-# A reader that should wake but was not blocked yet when asked: ask again after this long.
-UNBLOCK_RETRY_S = 0.002
+# A reader that should wake but whose XREAD had not reached the server yet: ask again after these.
+UNBLOCK_RETRIES_S = (0.002, 0.01, 0.05)
+# After a reply with entries, a reader waits this long before its next XREAD, so that one call
+# takes a whole engine step's deltas: a blocked XREAD returns at the first key written (a worker's
+# pipeline writes one key per job), and each call costs time in its number of keys, so reissuing
+# at once would cost one call per delta. The price: up to this much added to a delta's latency.
+COALESCE_S = 0.005
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
@@ -59,8 +64,9 @@ class _Reader:
     def __init__(self, hub: DeltaHub) -> None:
         self.hub = hub
         self.subscriptions: dict[bytes, _Subscription] = {}
-        # XREADs issued so far; a wake-up is done once this moves past the one it was asked in.
+        # XREADs issued so far, and the one in flight (None: none is).
         self.generation = 0
+        self.blocked_generation: int | None = None
         self.is_waking = False
         self.client_id: int | None = None
         self.has_subscriptions = asyncio.Event()
@@ -69,22 +75,26 @@ class _Reader:
     def add(self, subscription: _Subscription) -> None:
         self.subscriptions[subscription.key] = subscription
         self.has_subscriptions.set()
-        if not self.is_waking:
+        # Only an XREAD in flight lacks the key; any later one includes it.
+        if self.blocked_generation is not None and not self.is_waking:
             self.is_waking = True
-            asyncio.get_running_loop().create_task(self._wake(self.generation))
+            asyncio.get_running_loop().create_task(self._wake(self.blocked_generation))
 
     def remove(self, subscription: _Subscription) -> None:
         if self.subscriptions.get(subscription.key) is subscription:
             del self.subscriptions[subscription.key]
 
     async def _wake(self, generation: int) -> None:
-        """Unblock the XREAD in flight, which lacks the key just added; none in flight: the
-        next one includes it."""
+        """Unblock the XREAD in flight, which lacks the key just added. The command may not have
+        reached the server yet (CLIENT UNBLOCK then finds nothing blocked): a few tries, then
+        the block time bounds the wait."""
         try:
-            while self.generation == generation and self.client_id is not None:
+            for delay_s in UNBLOCK_RETRIES_S:
+                if self.blocked_generation != generation or self.client_id is None:
+                    return
                 if await self.hub.redis.client_unblock(self.client_id):
                     return
-                await asyncio.sleep(UNBLOCK_RETRY_S)
+                await asyncio.sleep(delay_s)
         finally:
             self.is_waking = False
 
@@ -101,18 +111,23 @@ class _Reader:
                     continue
                 streams = {key: sub.last_id for key, sub in self.subscriptions.items()}
                 self.generation += 1
+                self.blocked_generation = self.generation
                 try:
                     reply = await client.xread(streams, count=READ_COUNT, block=BLOCK_MS)
                 except Exception as exc:  # the store went away: every subscriber hears it
+                    self.blocked_generation = None
                     for sub in list(self.subscriptions.values()):
                         sub.entries.put_nowait([(b"", {b"error": repr(exc).encode()})])
                     await asyncio.sleep(BLOCK_MS / 1000)
                     continue
+                self.blocked_generation = None
                 for key, entries in reply or []:
                     sub = self.subscriptions.get(key)
                     if sub is not None and entries:
                         sub.last_id = entries[-1][0]
                         sub.entries.put_nowait(entries)
+                if reply:
+                    await asyncio.sleep(COALESCE_S)
         finally:
             with contextlib.suppress(Exception):
                 await client.aclose()
