@@ -107,11 +107,21 @@ def transformers_batched(args: argparse.Namespace, batch_size: int) -> Callable[
 def sentence_transformers_encode(
     args: argparse.Namespace, batch_size: int
 ) -> Callable[[Corpus], torch.Tensor]:
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
 
     path = str(resolve_model(args.model).path)
-    word = models.Transformer(path, model_args={"dtype": resolve_dtype(args.dtype, torch.device("cpu"))})
-    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="lasttoken")
+    kwargs = {"dtype": resolve_dtype(args.dtype, torch.device("cpu"))}
+    word = models.Transformer(path, model_kwargs=kwargs)
+    # Plain text as the other systems embed it: sentence-transformers 6 would render it through
+    # SmolLM2's chat template (its "message" modality) first.
+    word = models.Transformer(
+        path,
+        model_kwargs=kwargs,
+        modality_config={k: v for k, v in word.modality_config.items() if k != "message"},
+        module_output_name=word.module_output_name,
+    )
+    pooling = models.Pooling(word.get_embedding_dimension(), pooling_mode="lasttoken")
     model = SentenceTransformer(modules=[word, pooling, models.Normalize()], device="cpu")
 
     def run(corpus: Corpus) -> torch.Tensor:

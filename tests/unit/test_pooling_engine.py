@@ -1,10 +1,13 @@
 """Pooling in the engine (issue 40): embeddings, classification and scores against transformers.
 
-sentence-transformers is not installed in this venv, so the reference is its math written out on
-transformers' own hidden states: `AutoModel(...).last_hidden_state` (after the final norm), then
-the last token (`lasttoken`), the mean over every token (`mean`) or the first (`cls`), then L2
-normalisation where asked. Plain text is tokenized without special tokens and without a chat
-template, as the engine tokenizes it. Everything runs in float32 and must agree within 1e-5.
+On SmolLM2 the reference is sentence-transformers' `encode` with `Pooling(pooling_mode=
+"lasttoken" | "mean")`, normalised and not, with its chat-template wrapping off (sentence-
+transformers 6 renders plain text through the tokenizer's chat template when the tokenizer has
+one; the engine embeds the text as given, so the test checks both tokenize it alike). On the tiny
+random models, whose vocabulary no tokenizer matches, it is the same math written out on
+transformers' own hidden states: `last_hidden_state` (after the final norm), then the last token,
+the mean over every token or the first (CLS), then L2 normalisation where asked. Everything runs
+in float32 and must agree within 1e-5 (relative to the reference vector's norm).
 
 Each engine runs its pooling requests together with greedy generation requests in the same
 steps, with a small step budget so that long prompts are chunked and short ones packed; the
@@ -225,16 +228,41 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def smollm2() -> dict[str, Any]:
-    """SmolLM2's weights (read once), and transformers' CausalLM of them as the reference."""
+    """SmolLM2's weights (read once); transformers' CausalLM of them and sentence-transformers'
+    Transformer module (plain text: no chat template) as the references."""
+    from sentence_transformers.sentence_transformer import modules as models
     from transformers import AutoModelForCausalLM
 
     path = resolve_model("smollm2").path
+    word = models.Transformer(str(path), model_kwargs={"dtype": torch.float32})
+    word = models.Transformer(
+        str(path),
+        model_kwargs={"dtype": torch.float32},
+        modality_config={k: v for k, v in word.modality_config.items() if k != "message"},
+        module_output_name=word.module_output_name,
+    )
     return {
         "hf_config": load_hf_config(path),
         "state_dict": load_state_dict(path),
         "tokenizer": load_tokenizer(path),
         "hf": AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+        "st_transformer": word,
     }
+
+
+def sentence_transformers_vectors(smollm2: dict[str, Any], mode: str, normalize: bool) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    word = smollm2["st_transformer"]
+    model = SentenceTransformer(
+        modules=[word, models.Pooling(word.get_embedding_dimension(), pooling_mode=mode)], device="cpu"
+    )
+    features = model.preprocess(TEXTS)
+    tokenizer = smollm2["tokenizer"]
+    for text, ids, mask in zip(TEXTS, features["input_ids"], features["attention_mask"], strict=True):
+        assert ids[mask.bool()].tolist() == tokenizer.encode(text, add_special_tokens=False)
+    return model.encode(TEXTS, convert_to_tensor=True, normalize_embeddings=normalize).float()
 
 
 def smollm2_engine(smollm2: dict[str, Any], **overrides: Any) -> LLMEngine:
@@ -256,9 +284,9 @@ def smollm2_engine(smollm2: dict[str, Any], **overrides: Any) -> LLMEngine:
 
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
 def test_smollm2_embeddings_equal_the_reference(smollm2, pooling) -> None:
-    """Text inputs, normalised and not, beside a generation request, in chunks of 32 tokens; with
-    MEAN also `dimensions` and `truncate_prompt_tokens`. (CLS is the tiny models' alone: one
-    SmolLM2 engine costs seconds on the 2-core test machine.)"""
+    """Text inputs, normalised and not, beside a generation request, in chunks of 32 tokens, equal
+    to sentence-transformers' encode; with MEAN also `dimensions` and `truncate_prompt_tokens`.
+    (CLS is the tiny models' alone: one SmolLM2 engine costs seconds on the 2-core test machine.)"""
     engine = smollm2_engine(smollm2, pooling_type=pooling)
     tokenizer = smollm2["tokenizer"]
     for i, text in enumerate(TEXTS):
@@ -271,12 +299,12 @@ def test_smollm2_embeddings_equal_the_reference(smollm2, pooling) -> None:
         engine.add_request("t", TEXTS[2], PoolingParams(truncate_prompt_tokens=7, normalize=False))
     outputs = run_to_completion(engine)
     assert len(outputs["g"].outputs[0].token_ids) == GEN_PARAMS.max_tokens
-    for i, text in enumerate(TEXTS):
-        hidden = hidden_states(smollm2["hf"].model, tokenizer.encode(text, add_special_tokens=False))
-        for prefix, normalize in (("e", True), ("u", False)):
-            assert_vectors_close(
-                outputs[f"{prefix}{i}"].outputs.data, reference_pool(hidden, pooling, normalize)
-            )
+    for prefix, normalize in (("e", True), ("u", False)):
+        expected = sentence_transformers_vectors(
+            smollm2, {"LAST": "lasttoken", "MEAN": "mean"}[pooling], normalize
+        )
+        for i in range(len(TEXTS)):
+            assert_vectors_close(outputs[f"{prefix}{i}"].outputs.data, expected[i])
     if pooling == "MEAN":
         full = reference_pool(hidden_states(smollm2["hf"].model, long_ids), "MEAN", False)
         assert_vectors_close(outputs["d"].outputs.data, torch.nn.functional.normalize(full[:64], dim=-1))
