@@ -316,7 +316,9 @@ class Worker:
         limit = self.settings.max_step_failures
         message = str(exc) if isinstance(exc, EngineStepError) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, EngineStepError):
-            job_ids = [job_id for job_id in exc.request_ids if job_id in self.held]
+            # A pooling job's requests are named {job_id}:{i}: the job they belong to fails.
+            owners = (self.held.owner_of(request_id) for request_id in exc.request_ids)
+            job_ids = list(dict.fromkeys(h.job.id for h in owners if h is not None))
         else:
             job_ids = self.held.ids()
         logger.error(

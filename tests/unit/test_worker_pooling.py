@@ -183,3 +183,14 @@ def test_the_wire_tells_the_kinds_apart_and_base64_is_little_endian_float32():
     # 1.0 as little-endian float32 is 00 00 80 3f.
     assert encode_vector([1.0], "base64") == "AACAPw=="
     assert decode_vector("AACAPw==") == [1.0]
+
+
+def test_a_failed_step_fails_the_pooling_jobs_whose_requests_it_ran():
+    engine = FakeEngine()
+    engine.failing_steps = {1: None}  # the first step fails, naming every request it ran
+    bodies = [{"id": "e1", "task": "embed", "input": ["a", "b"]}, {"id": "e2", "task": "embed", "input": "c"}]
+    results, engine, worker = run_jobs(bodies, engine)
+    for job_id in ("e1", "e2"):
+        assert results[job_id].status is JobStatus.FAILED, results[job_id]
+        assert results[job_id].error.type == "InternalError"
+    assert not engine.has_unfinished_requests() and not worker.held
