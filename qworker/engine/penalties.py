@@ -120,8 +120,8 @@ def apply_token_masks_(logits: torch.Tensor, rows: Sequence[AdjustedRow]) -> Non
     device = logits.device
     allowed = [row for row in rows if row.adjustments.allowed_token_ids is not None]
     if allowed:
-        ids = [row.adjustments.allowed_token_ids for row in allowed]
-        lengths = [a.size for a in ids if a is not None]
+        ids = [a for row in allowed if (a := row.adjustments.allowed_token_ids) is not None]
+        lengths = [a.size for a in ids]
         row_of_id = torch.from_numpy(np.repeat(np.array([row.index for row in allowed]), lengths)).to(device)
         id_t = torch.from_numpy(np.concatenate(ids)).to(device)
         # Keep the allowed entries, fill the rows with -inf, put them back: no [rows, vocab] copy.
