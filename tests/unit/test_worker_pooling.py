@@ -194,3 +194,13 @@ def test_a_failed_step_fails_the_pooling_jobs_whose_requests_it_ran():
         assert results[job_id].status is JobStatus.FAILED, results[job_id]
         assert results[job_id].error.type == "InternalError"
     assert not engine.has_unfinished_requests() and not worker.held
+
+
+def test_a_celery_task_carries_a_pooling_job_in_its_kwargs():
+    from qworker.backends.celery.source import CelerySource
+
+    kwargs = {"task": "score", "query": "q", "documents": ["a", "b"], "priority": 3}
+    body, rejection = CelerySource.job_body(json.dumps([[], kwargs, {}]))
+    assert rejection is None
+    job = decode_any_job(body, "celery-1")
+    assert isinstance(job, PoolingJob) and job.documents == ["a", "b"] and job.priority == 3
