@@ -42,7 +42,8 @@ def check_task(engine: EngineProtocol, task: str) -> None:
     supported = engine.supported_tasks
     if task not in supported:
         raise UnsupportedTaskError(
-            f"the model {engine.config.model!r} cannot {task}: it supports {', '.join(supported)}"
+            f"the model {engine.config.model!r} cannot {task}: it supports "
+            f"{', '.join(supported) or 'nothing'} (--runner and --convert in docs/pooling.md)"
         )
 
 
