@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto: bf16 only on CPUs with bf16 hardware")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--only", nargs="*", help="run only the systems whose names contain one of these")
     args = parser.parse_args()
     tokenizer = load_tokenizer(resolve_model(args.model).path)
     corpus = make_corpus(tokenizer, args.num_texts, args.seed)
@@ -166,6 +167,8 @@ def main() -> None:
     rows = []
     reference: torch.Tensor | None = None
     for name, build in systems(args).items():
+        if args.only and not any(part in name for part in args.only):
+            continue
         run = build()
         run(Corpus(corpus.texts[:8], corpus.num_tokens[:8]))  # warm-up
         started = time.perf_counter()

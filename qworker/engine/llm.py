@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from qworker.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine, Prompt
@@ -114,17 +114,19 @@ class LLM:
         """Pool every prompt (prefill only); outputs in the order of `prompts`. The task is the
         params' (embed unless they say otherwise); `truncate_prompt_tokens` sets theirs where
         they have none."""
+        prompt_list: list[Prompt]
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]  # one prompt of token ids
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompt_list = [cast(Prompt, prompts)]  # one prompt: text, a dict or token ids
+        else:
+            prompt_list = list(cast(Sequence[Prompt], prompts))
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompts)
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
         else:
             params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)} pooling params for {len(prompts)} prompts")
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(params_list)} pooling params for {len(prompt_list)} prompts")
         if truncate_prompt_tokens is not None:
             params_list = [
                 p
@@ -135,7 +137,7 @@ class LLM:
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params in zip(prompt_list, params_list, strict=True):
                 self._counter += 1
                 request_ids.append(engine.add_request(f"pool-{self._counter}", prompt, params))
             outputs = self._run(request_ids, use_tqdm)

@@ -242,9 +242,10 @@ class Scheduler:
         # Pooling requests taken off the heap to pack this step, in the order to admit them.
         packing: list[tuple[tuple[int, int], str]] = []
         while token_budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.requests[packing[0][1]] if packing else self._peek_waiting()
-            if request is None:
+            candidate = self.requests[packing[0][1]] if packing else self._peek_waiting()
+            if candidate is None:
                 break
+            request = candidate
             lora = request.lora_request
             if lora is not None and self.lora is not None and not self.lora.can_acquire(lora.lora_int_id):
                 passed_over.append(heapq.heappop(self._waiting))
