@@ -27,6 +27,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+# At import, not at the first request: an import inside the event loop can wait seconds on the
+# import lock while a worker thread imports the tokenizer's libraries, and every connection's
+# header timeout runs meanwhile (a load run lost all 2,000 streams so).
+import redis.asyncio as aioredis
+
 from qworker.backends.redis import keys
 from qworker.backends.redis.connection import SOCKET_CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
 from qworker.backends.redis.results import READ_POLL_S, RedisResultSink, parse_delta
@@ -99,8 +104,6 @@ class _Reader:
             self.is_waking = False
 
     async def _run(self) -> None:
-        import redis.asyncio as aioredis
-
         client = aioredis.Redis(connection_pool=self.hub.pool, single_connection_client=True)
         try:
             self.client_id = int(await client.client_id())
@@ -135,8 +138,6 @@ class _Reader:
 
 class DeltaHub:
     def __init__(self, sink: RedisResultSink, connection_url: str) -> None:
-        import redis.asyncio as aioredis
-
         self.sink = sink  # for its key layout only: no call on it blocks here
         self.pool = aioredis.BlockingConnectionPool.from_url(
             connection_url,
