@@ -533,7 +533,7 @@ def test_limits_unknown_files_and_idempotency_keys(gateway, files_bucket):
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint=CHAT_URL, completion_window="24h")
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id="file-nope", endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/moderations", completion_window="24h")
     file_id = upload(client, [batch_row("x", CHAT_URL, {"messages": [{"role": "user", "content": "hi"}]})])
     key = {"Idempotency-Key": "retry-1"}
     first = client.batches.create(

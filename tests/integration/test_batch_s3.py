@@ -31,7 +31,7 @@ from tests.integration.batch_support import (
 ROWS = mixed_rows(40, seed=3)
 BAD_ROWS = [
     batch_row("bad-model", CHAT_URL, {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
-    batch_row("bad-url", "/v1/embeddings", {"model": MODEL_NAME, "input": "x"}),
+    batch_row("bad-url", "/v1/moderations", {"model": MODEL_NAME, "input": "x"}),
 ]
 
 
