@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # nginx's code for a client that closed the request before the answer (nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
+# How often a request waiting for its first stream event looks for a disconnect.
+DISCONNECT_POLL_S = 0.25
 
 
 class CancellingStreamingResponse(StreamingResponse):
@@ -76,29 +78,17 @@ async def _first_event(
     events: asyncio.Queue[StreamEvent], deadline: float, request: Request
 ) -> StreamEvent | None:
     """The first event of the request's streams: None when the client went away; TimeoutError
-    past the deadline (no worker took the job in time). Waits on the event and on the client's
-    disconnect at once: polling `is_disconnected` (every 0.25 s, as this did) costs each of
-    thousands of waiting requests a cancel scope per poll, which alone can fill the event loop."""
-    first = asyncio.ensure_future(events.get())
-    gone = asyncio.ensure_future(_disconnect(request))
-    try:
-        done, _ = await asyncio.wait(
-            {first, gone}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
-        )
-        if first in done:
-            return first.result()
-        if gone in done:
-            return None
-        raise TimeoutError
-    finally:
-        for waiter in (first, gone):
-            waiter.cancel()
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns when the client disconnects (the body was read: nothing else comes first)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    past the deadline (no worker took the job in time)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        try:
+            with anyio.fail_after(min(DISCONNECT_POLL_S, left)):
+                return await events.get()
+        except TimeoutError:
+            if await request.is_disconnected():
+                return None
 
 
 async def serve_generation(request: Request, body: dict[str, Any], endpoint: Endpoint) -> Response:
