@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    # Only for a pooled output's annotation: the worker and the gateway read these classes
+    # without loading torch.
+    import torch
 
 
 @dataclass

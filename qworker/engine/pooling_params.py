@@ -8,11 +8,12 @@ score ("score"). docs/pooling.md lists which models do which.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from qworker.errors import InvalidParamsError
+
+if TYPE_CHECKING:
+    import torch
 
 PoolingTask = Literal["embed", "classify", "score"]
 POOLING_TASKS: tuple[str, ...] = get_args(PoolingTask)
@@ -90,6 +91,9 @@ class PoolingParams:
         """The request's vector from its pooled row (1-D float32): an embedding truncated and
         normalised, or class logits through their activation (the score task's one logit:
         sigmoid, as a one-label classifier)."""
+        # Here, not at the top: the job side validates PoolingParams without loading torch.
+        import torch
+
         if self.task == "embed":
             if self.dimensions is not None:
                 pooled = pooled[: self.dimensions]
