@@ -2,7 +2,9 @@
 workers that serves them. Job counts are a poor signal for LLM work (ten 50-token jobs and ten
 4,000-token jobs need very different pools); blocks are what a worker runs out of.
 
-    job blocks      = ceil((prompt_tokens + max_tokens) / block_size), at least 1
+    job blocks      = ceil((prompt_tokens + max_tokens) / block_size), at least 1; a pooling job
+                      (embed, classify, score: prefill only, never decoded) the sum over its
+                      inputs of ceil(input_tokens / block_size), as the worker's admission counts it
     waiting demand  = sum of job blocks over the jobs no worker holds
     running demand  = sum over the jobs workers hold of the blocks they will reach: what they hold
                       now plus what they may still grow, up to max_tokens
@@ -135,6 +137,32 @@ def estimate_job_tokens(job: dict[str, Any], sizing: PoolSizing) -> tuple[int, i
     return num_prompt_tokens, max_tokens
 
 
+# A pooling job's `task` values (qworker/jobs/pooling_job.py): such a job is never decoded.
+POOLING_TASKS = ("embed", "classify", "score")
+
+
+def pooling_job_blocks(job: dict[str, Any], sizing: PoolSizing) -> int:
+    """Blocks of a pooling job's prompts: each input (or, for score, each query + document pair)
+    is its own sequence of prompt blocks, and no decode follows (at least 1)."""
+
+    def text_tokens(text: object) -> int:
+        return math.ceil(len(text) / sizing.chars_per_token) if isinstance(text, str) else 0
+
+    if job.get("task") == "score":
+        documents = job.get("documents")
+        query_tokens = text_tokens(job.get("query"))
+        lengths = [query_tokens + text_tokens(d) for d in documents] if isinstance(documents, list) else []
+    else:
+        inputs = job.get("input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        lengths = [
+            len(item) if isinstance(item, list) else text_tokens(item)
+            for item in (inputs if isinstance(inputs, list) else [])
+        ]
+    return max(1, sum(cdiv(n, sizing.block_size) for n in lengths))
+
+
 def body_blocks(body: bytes | str, sizing: PoolSizing) -> int:
     """Blocks of one job from its raw JSON body. A body that is not a job object counts 1 block:
     the worker fails it at once."""
@@ -144,6 +172,8 @@ def body_blocks(body: bytes | str, sizing: PoolSizing) -> int:
         return 1
     if not isinstance(job, dict):
         return 1
+    if job.get("task") in POOLING_TASKS:
+        return pooling_job_blocks(job, sizing)
     return job_blocks(*estimate_job_tokens(job, sizing), sizing.block_size)
 
 

@@ -49,6 +49,18 @@ def test_unreadable_bodies_count_one_block():
     assert body_blocks(json.dumps({"prompt_token_ids": [1] * 40, "params": {"max_tokens": 40}}), SIZING) == 5
 
 
+def test_pooling_jobs_count_their_prompt_blocks_only():
+    # Each input is its own prefill-only sequence: 40 ids -> 3 blocks, 16 -> 1; no max_tokens.
+    ids_job = {"task": "embed", "input": [[1] * 40, [2] * 16], "params": {"max_tokens": 500}}
+    assert body_blocks(json.dumps(ids_job), SIZING) == 4
+    assert body_blocks(json.dumps({"task": "embed", "input": [1] * 40}), SIZING) == 3
+    text_chars = int(SIZING.chars_per_token * 20)
+    assert body_blocks(json.dumps({"task": "classify", "input": "x" * text_chars}), SIZING) == 2
+    score_job = {"task": "score", "query": "q" * text_chars, "documents": ["d" * text_chars] * 3}
+    assert body_blocks(json.dumps(score_job), SIZING) == 3 * 3
+    assert body_blocks(json.dumps({"task": "embed", "input": []}), SIZING) == 1
+
+
 def test_desired_workers_rule():
     # capacity 100 blocks at 50%: 50 blocks per worker.
     assert desired_workers(0, 100, 0.5, is_waiting=False) == 0
