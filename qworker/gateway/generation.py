@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from qworker.gateway.errors import GatewayError
+from qworker.gateway.http_protocol import disconnect_event
 from qworker.gateway.mapping import prepare
 from qworker.gateway.pool import StreamEvent
 from qworker.gateway.responses import response_body
@@ -79,6 +80,22 @@ async def _first_event(
 ) -> StreamEvent | None:
     """The first event of the request's streams: None when the client went away; TimeoutError
     past the deadline (no worker took the job in time)."""
+    gone = disconnect_event(request.scope)
+    if gone is not None:
+        first = asyncio.ensure_future(events.get())
+        lost = asyncio.ensure_future(gone.wait())
+        try:
+            left = max(0.0, deadline - time.monotonic())
+            await asyncio.wait({first, lost}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (first, lost):
+                task.cancel()
+        if first.done() and not first.cancelled():
+            return first.result()
+        if gone.is_set():
+            return None
+        raise TimeoutError
+    # Another server: poll.
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -116,7 +133,7 @@ async def serve_generation(request: Request, body: dict[str, Any], endpoint: End
         deadline = enqueued + state.settings.request_timeout_s
         if not prepared.stream:
             try:
-                results = await state.pool.wait_results(job_ids, deadline, request.is_disconnected)
+                results = await state.pool.wait_results(job_ids, deadline, request)
             except TimeoutError:
                 await _cancel(state, job_ids, "timeout")
                 raise GatewayError(

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -30,9 +30,13 @@ import anyio.to_thread
 from qworker.backends.redis.delta_hub import DeltaHub, open_delta_hub
 from qworker.backends.split_sink import SplitSink
 from qworker.errors import StreamRestartedError
+from qworker.gateway.http_protocol import disconnect_event
 from qworker.jobs.client import Client
 from qworker.jobs.job import Job, JobResult
 from qworker.jobs.text_follower import TextFollower
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 T = TypeVar("T")
 
@@ -153,21 +157,29 @@ class Pool:
         return await self.result_by(job_id, deadline)
 
     async def wait_results(
-        self, job_ids: list[str], deadline: float, is_disconnected: Callable[[], Any]
+        self, job_ids: list[str], deadline: float, request: Request
     ) -> dict[str, JobResult] | None:
-        """Every job's result, or None when the client went away; TimeoutError past `deadline`
-        (time.monotonic())."""
+        """Every job's result, or None when the request's client went away; TimeoutError past
+        `deadline` (time.monotonic())."""
         waiting = asyncio.ensure_future(asyncio.gather(*(self._wait_one(j, deadline) for j in job_ids)))
+        gone = disconnect_event(request.scope)
+        lost = asyncio.ensure_future(gone.wait()) if gone is not None else None
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
-                if done:
+                # With the server's disconnect event: one wait; else poll the client.
+                timeout = max(0.0, deadline - time.monotonic()) if lost is not None else DISCONNECT_POLL_S
+                await asyncio.wait(
+                    {waiting, lost} - {None}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if waiting.done():
                     return dict(zip(job_ids, waiting.result(), strict=True))
-                if await is_disconnected():
+                if gone.is_set() if gone is not None else await request.is_disconnected():
                     return None
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"no result within the request timeout for {len(job_ids)} job(s)")
         finally:
+            if lost is not None:
+                lost.cancel()
             if not waiting.done():
                 waiting.cancel()
                 with contextlib.suppress(BaseException):

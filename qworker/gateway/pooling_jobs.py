@@ -114,7 +114,7 @@ async def run_pooling_jobs(
             ) from None
         deadline = time.monotonic() + state.settings.request_timeout_s
         try:
-            results = await state.pool.wait_results(job_ids, deadline, request.is_disconnected)
+            results = await state.pool.wait_results(job_ids, deadline, request)
         except TimeoutError:
             await _cancel(state, job_ids)
             raise GatewayError(

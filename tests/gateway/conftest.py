@@ -18,6 +18,7 @@ import redis
 import uvicorn
 
 from qworker.gateway.app import create_app
+from qworker.gateway.http_protocol import server_options
 from qworker.gateway.settings import GatewaySettings
 from qworker.jobs.client import Client
 from qworker.testing.worker_kit import cleanup, redis_base_url, spawn_worker, unique_url
@@ -103,8 +104,11 @@ def worker(pool_url, tmp_path_factory):
 def gateway(pool_url):
     # Started before any worker (scale from zero). The tokenizer is loaded on first use: the
     # SmolLM2 directory a worker converts once.
-    app = create_app(GatewaySettings(request_timeout_s=120), queue=pool_url, api_keys=frozenset({API_KEY}))
-    with serve_app(app) as served:
+    settings = GatewaySettings(request_timeout_s=120)
+    app = create_app(settings, queue=pool_url, api_keys=frozenset({API_KEY}))
+    # The server options `qworker gateway` runs with: its protocol class sets the disconnect
+    # event that the routes wait on.
+    with serve_app(app, **server_options(settings)) as served:
         yield served
 
 
