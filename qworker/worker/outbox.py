@@ -2,8 +2,10 @@
 deltas, then each ended job's result, then its acks (or dead letters).
 
 Writes wait here whenever the broker is away. A flush stops at the first error and keeps its
-progress (a result already stored is not written again; an ack already made is not repeated),
-so the loop retries it on the outage's backoff while the engine keeps stepping. Results and acks
+progress (an ack already made is not repeated), so the loop retries it on the outage's backoff
+while the engine keeps stepping. A result whose acks failed is checked again before them: the
+error may have been a failover to a replica that never received it (Redis replicates
+asynchronously), and acking there without the result would lose the job. Results and acks
 are never dropped; deltas are bounded: past `max_buffered_deltas`, new ones are dropped (the live
 stream then misses tokens; the result, written after them, still holds the whole text).
 """
@@ -32,6 +34,8 @@ class PendingFinal:
     leases: list[Lease]
     dead_letter: tuple[str, str] | None = None
     is_stored: bool = False
+    # on_stored has run: a result written again after a failover is not counted twice.
+    is_reported: bool = False
 
 
 @dataclass
@@ -86,15 +90,36 @@ class Outbox:
             self._deltas = []
         while self._finals:
             final = self._finals[0]
-            if final.result is not None and not final.is_stored:
-                on_stored(final.result, sink.write_result(final.result))
-                final.is_stored = True
-            while final.leases:
-                if final.dead_letter is not None:
-                    source.dead_letter(final.leases[0], final.dead_letter[1])
-                else:
-                    source.ack(final.leases[0])
-                final.leases.pop(0)
+            try:
+                self._store(final, sink, on_stored)
+                while final.leases:
+                    if final.dead_letter is not None:
+                        source.dead_letter(final.leases[0], final.dead_letter[1])
+                    else:
+                        source.ack(final.leases[0])
+                    final.leases.pop(0)
+            except Exception:
+                # Stored where the broker was; whether it is where the broker is now, the retry
+                # asks before it acks.
+                final.is_stored = False
+                raise
             self._finals.pop(0)
             if final.result is not None and self._final_by_job.get(final.result.id) is final:
                 del self._final_by_job[final.result.id]
+
+    @staticmethod
+    def _store(final: PendingFinal, sink: ResultSink, on_stored: Callable[[JobResult, bool], None]) -> None:
+        if final.result is None or final.is_stored:
+            return
+        if final.is_reported:
+            # A retry after an error: written again only where the store lost it.
+            if not sink.has_result(final.result.id):
+                sink.write_result(final.result)
+                logger.warning(
+                    "job %s: its stored result was gone after a broker error; written again", final.result.id
+                )
+            final.is_stored = True
+            return
+        is_new = sink.write_result(final.result)
+        final.is_stored = final.is_reported = True
+        on_stored(final.result, is_new)
