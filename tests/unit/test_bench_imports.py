@@ -5,6 +5,8 @@ report's extras.
 The check runs in a fresh interpreter whose site-packages is a copy (of links) of this one less
 the blocked distributions, so that they are absent exactly as on that machine: `import x` fails
 and `importlib.util.find_spec("x")` says None (transformers probes optional packages that way).
+One such interpreter serves both checks of the GPU check (torch and transformers load once): it
+imports the bench modules, then runs the script itself.
 """
 
 from __future__ import annotations
@@ -45,13 +47,18 @@ MODULES = (
     "qworker.bench.gpu_check.run",
     "qworker_kernels.testing",
 )
+# The kernel stage's grid in the smoke run, cut to one GQA ratio (about half of its cases, each
+# seconds under TRITON_INTERPRET): the kernels' numerics are tests/kernels' to check; this checks
+# that the stage runs with nothing but torch, triton and transformers.
+SMOKE_KERNEL_GQA = (1,)
 
 PROBE = """
-import importlib, importlib.util, site, sys
+import importlib, importlib.util, os, site, sys
 
 site.addsitedir(sys.argv[1])  # processes the .pth files too (the editable install of qworker)
 blocked = set(sys.argv[2].split(","))
 assert all(importlib.util.find_spec(name) is None for name in blocked), "a blocked package is visible"
+os.environ["TRITON_INTERPRET"] = "1"  # what the script's --cpu-smoke sets, before triton loads
 for module in sys.argv[3].split(","):
     importlib.import_module(module)
 from qworker.bench.workload import load_workload
@@ -59,7 +66,19 @@ from qworker.bench.workload import load_workload
 assert load_workload("offline-mixed").num_requests > 0
 loaded = sorted({m.split(".")[0] for m in sys.modules} & blocked)
 assert not loaded, loaded
-print("ok")
+print("imports ok", flush=True)
+"""
+
+# After PROBE, in the same interpreter: the script, as `python scripts/gpu_check.py ARGS` runs it.
+GPU_CHECK = """
+import dataclasses, runpy
+import qworker.bench.gpu_check.run as gpu_check_run
+
+gpu_check_run.CPU_SMOKE_SIZES = dataclasses.replace(
+    gpu_check_run.CPU_SMOKE_SIZES, kernel_gqa=tuple(int(g) for g in sys.argv[4].split(","))
+)
+sys.argv = ["gpu_check.py", *sys.argv[5:]]
+runpy.run_path("scripts/gpu_check.py", run_name="__main__")
 """
 
 
@@ -74,22 +93,34 @@ def site_without(blocked: tuple[str, ...], target: Path) -> Path:
     return target
 
 
-def probe(tmp_path: Path, modules: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+def probe(tmp_path: Path, modules: tuple[str, ...], *script_args: str) -> subprocess.CompletedProcess[str]:
+    """PROBE of `modules` under the block; with `script_args`, then GPU_CHECK with them."""
     site_dir = site_without(BLOCKED, tmp_path / "site-packages")
+    code = PROBE + (GPU_CHECK if script_args else "")
     return subprocess.run(
         # -S: no site-packages but the filtered one; -I would also drop the working directory.
-        [sys.executable, "-S", "-c", PROBE, str(site_dir), ",".join(BLOCKED), ",".join(modules)],
+        [sys.executable, "-S", "-c", code, str(site_dir), ",".join(BLOCKED), ",".join(modules), *script_args],
         capture_output=True,
         text=True,
         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        timeout=100,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=110,
     )
 
 
-def test_gpu_check_imports_without_the_worker_extras(tmp_path: Path) -> None:
-    proc = probe(tmp_path, MODULES)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok")
+@pytest.fixture(scope="module")
+def gpu_check_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The bench modules imported, then the script's env and kernel stages in the CPU smoke mode."""
+    tmp_path = tmp_path_factory.mktemp("gpu-check")
+    out = tmp_path / "out"
+    gqa = ",".join(str(g) for g in SMOKE_KERNEL_GQA)
+    proc = probe(tmp_path, MODULES, gqa, str(out), "--cpu-smoke", "--stages", "env,kernels")
+    return proc, out
+
+
+def test_gpu_check_imports_without_the_worker_extras(gpu_check_run) -> None:
+    proc, _ = gpu_check_run
+    assert "imports ok" in proc.stdout.splitlines(), proc.stderr[-3000:]
 
 
 def test_the_block_works(tmp_path: Path) -> None:
@@ -98,39 +129,12 @@ def test_the_block_works(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "No module named 'pydantic'" in proc.stderr
 
 
-GPU_CHECK = """
-import runpy, site, sys
-
-site.addsitedir(sys.argv[1])
-sys.argv = ["gpu_check.py", *sys.argv[2:]]
-runpy.run_path("scripts/gpu_check.py", run_name="__main__")
-"""
-
-
-def test_gpu_check_runs_without_the_worker_extras(tmp_path: Path) -> None:
+def test_gpu_check_runs_without_the_worker_extras(gpu_check_run) -> None:
     """The script itself, its env and kernel stages, in the CPU smoke mode."""
-    site_dir = site_without(BLOCKED, tmp_path / "site-packages")
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-S",
-            "-c",
-            GPU_CHECK,
-            str(site_dir),
-            str(out),
-            "--cpu-smoke",
-            "--stages",
-            "env,kernels",
-        ],
-        capture_output=True,
-        text=True,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        cwd=Path(__file__).resolve().parents[2],
-        timeout=110,
-    )
+    proc, out = gpu_check_run
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     data = json.loads((out / "gpu_check.json").read_text())
     assert data["stages"]["env"]["forbidden_modules_loaded"] == []
+    assert data["sizes"]["kernel_gqa"] == list(SMOKE_KERNEL_GQA)  # the run saw the cut grid
     assert data["stages"]["kernels"]["status"] == "ok" and data["stages"]["kernels"]["num_cases"] > 10
     assert "# qworker GPU check" in (out / "gpu_check.md").read_text()
