@@ -1,7 +1,9 @@
 """Dependencies point down: the engine never imports the worker's libraries, and the worker's
 seam to the engine, its loop and its in-memory test parts never import torch.
 
-Each check imports in a fresh interpreter, so that what other tests imported does not count.
+Each check imports in a fresh interpreter, so that what other tests imported does not count; the
+two worker-side checks share one, which imports the smaller set first and answers for it before
+importing the rest.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ WORKER_LIBRARIES = ("pydantic", "redis", "boto3", "botocore", "kombu", "celery")
 ENGINE_LIBRARIES = ("torch", "transformers", "triton")
 
 
-def imported_after(modules: list[str], watched: tuple[str, ...]) -> list[str]:
-    """The `watched` top-level packages in sys.modules after importing `modules` in a new process."""
+def imported_in_turn(steps: list[tuple[list[str], tuple[str, ...]]]) -> list[list[str]]:
+    """For each step in turn, in one new process: the `watched` top-level packages in sys.modules
+    after importing the step's `modules` (and those of the steps before it)."""
     code = (
         "import importlib, json, sys\n"
-        f"for name in {modules!r}:\n"
-        "    importlib.import_module(name)\n"
-        f"print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))\n"
+        f"for modules, watched in {steps!r}:\n"
+        "    for name in modules:\n"
+        "        importlib.import_module(name)\n"
+        "    print(json.dumps(sorted(m for m in watched if m in sys.modules)))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -34,35 +38,45 @@ def imported_after(modules: list[str], watched: tuple[str, ...]) -> list[str]:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(steps) :]]
+
+
+BACKEND_LIBRARIES = ("redis", "boto3", "botocore", "kombu", "celery")
+# The worker side's modules; qworker.backends.connections alone comes first, so that one process
+# answers both checks: what connections pulls in, then what all of them do.
+CONNECTIONS = ["qworker.backends.connections"]
+WORKER_SIDE = [
+    "qworker.worker.engine_protocol",
+    "qworker.worker.loop",
+    "qworker.testing.fake_engine",
+    "qworker.backends.memory.queue",
+    "qworker.backends.memory.results",
+]
+
+
+@pytest.fixture(scope="module")
+def worker_side_imports() -> list[list[str]]:
+    """[backend libraries after connections, engine libraries after connections and WORKER_SIDE]"""
+    return imported_in_turn([(CONNECTIONS, BACKEND_LIBRARIES), (WORKER_SIDE, ENGINE_LIBRARIES)])
 
 
 @pytest.mark.timeout(150)
 def test_engine_imports_no_worker_library():
-    loaded = imported_after(["qworker", "qworker.engine.llm_engine", "qworker.engine.llm"], WORKER_LIBRARIES)
+    modules = ["qworker", "qworker.engine.llm_engine", "qworker.engine.llm"]
+    (loaded,) = imported_in_turn([(modules, WORKER_LIBRARIES)])
     assert loaded == [], f"the engine pulled in {loaded}: it must run with torch and transformers alone"
 
 
 @pytest.mark.timeout(150)
-def test_worker_loop_and_its_test_parts_import_no_torch():
-    modules = [
-        "qworker.worker.engine_protocol",
-        "qworker.worker.loop",
-        "qworker.testing.fake_engine",
-        "qworker.backends.memory.queue",
-        "qworker.backends.memory.results",
-        "qworker.backends.connections",
-    ]
-    loaded = imported_after(modules, ENGINE_LIBRARIES)
+def test_worker_loop_and_its_test_parts_import_no_torch(worker_side_imports):
+    loaded = worker_side_imports[1]
     assert loaded == [], f"the worker side pulled in {loaded}: the worker never touches tensors"
 
 
 @pytest.mark.timeout(150)
-def test_connections_open_backends_lazily():
+def test_connections_open_backends_lazily(worker_side_imports):
     # The table names modules; nothing of a backend's client library loads until a URL uses it.
-    loaded = imported_after(
-        ["qworker.backends.connections"], ("redis", "boto3", "botocore", "kombu", "celery")
-    )
+    loaded = worker_side_imports[0]
     assert loaded == []
 
 
