@@ -1,7 +1,11 @@
 """A worker rides out its broker's failures: a private redis-server (AOF, fsync every second) is
-killed and restarted under one worker process serving 100 jobs, and an outage longer than
+killed and restarted under one worker process serving 40 jobs, and an outage longer than
 --broker-outage-s ends the worker (exit 5) without losing a job. Real worker processes on a tiny
 random Llama.
+
+The jobs of each test ask for different numbers of tokens, so that their results come one or a
+few per step: every outage comes while the worker still holds jobs (with one length, all of them
+ran in lockstep and their results came in one burst, after which the outages hit an idle worker).
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ def server(tmp_path):
     server.stop()
 
 
-# The first test's jobs and tokens each (both outages come after 10 and 30 results: the worker
-# still holds most jobs), and its second outage's length.
-NUM_JOBS, NUM_TOKENS, OUTAGE_S = 100, 96, 6.0
+# The first test's jobs, job i asking for MIN_TOKENS + i tokens (both outages come after 10 and 30
+# results: the worker still holds 30 and 10 jobs), and its second outage's length.
+NUM_JOBS, MIN_TOKENS, OUTAGE_S = 40, 16, 6.0
 
 
 def queue_url(server: RedisServer) -> str:
@@ -98,7 +102,7 @@ def test_a_worker_rides_out_two_broker_restarts(server, tiny_model_dir, tmp_path
     )
     client = Client(queue=url)
     try:
-        ids = [client.submit(job(NUM_TOKENS)) for _ in range(NUM_JOBS)]
+        ids = [client.submit(job(MIN_TOKENS + i)) for i in range(NUM_JOBS)]
         r = redis_lib.Redis(port=server.port, socket_timeout=5)
         time.sleep(1.5)  # the jobs are in the AOF (fsync every second)
         # 1: a blip. Restarted as soon as the worker has noticed it (its /readyz says so), so that
@@ -134,7 +138,8 @@ def test_a_worker_rides_out_two_broker_restarts(server, tiny_model_dir, tmp_path
     log = log_path.read_text()
     assert returncode == 0, log[-3000:]
     assert num_results(r, prefix) == NUM_JOBS
-    assert all(res.status is JobStatus.COMPLETED and len(res.token_ids) == NUM_TOKENS for res in results)
+    assert all(res.status is JobStatus.COMPLETED for res in results)
+    assert [len(res.token_ids) for res in results] == [MIN_TOKENS + i for i in range(NUM_JOBS)]
     # Running through both outages, nothing restarted: every result is its job's first attempt.
     assert [res.attempts for res in results] == [1] * NUM_JOBS
     stats = final_stats(log)
@@ -142,6 +147,10 @@ def test_a_worker_rides_out_two_broker_restarts(server, tiny_model_dir, tmp_path
     assert stats["num_broker_outages"] >= 2, stats
     assert "broker unreachable" in log and "broker reachable again" in log
     assert (pending, dead) == (0, 0)
+
+
+# The second test's jobs: one length each, a result every 8 steps.
+SECOND_TEST_TOKENS = tuple(16 + 8 * i for i in range(10))
 
 
 @pytest.mark.timeout(300)
@@ -157,7 +166,9 @@ def test_an_outage_past_the_limit_ends_the_worker_and_a_new_one_finishes(server,
     second = None
     client = Client(queue=url)
     try:
-        ids = [client.submit(job(200)) for _ in range(20)]
+        # The kill comes after 2 results: the first worker still holds 8 jobs, whose leases the
+        # second one takes over once they time out.
+        ids = [client.submit(job(tokens)) for tokens in SECOND_TEST_TOKENS]
         r = redis_lib.Redis(port=server.port, socket_timeout=5)
         time.sleep(1.5)
         wait_for(lambda: num_results(r, prefix) >= 2, 120, "2 results")
@@ -177,7 +188,9 @@ def test_an_outage_past_the_limit_ends_the_worker_and_a_new_one_finishes(server,
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 process.wait(timeout=60)
-    assert all(res.status is JobStatus.COMPLETED and len(res.token_ids) == 200 for res in results)
+    assert all(res.status is JobStatus.COMPLETED for res in results)
+    assert [len(res.token_ids) for res in results] == list(SECOND_TEST_TOKENS)
+    assert any(res.worker == "second" for res in results)  # the new worker finished the held ones
     r = redis_lib.Redis(port=server.port, socket_timeout=5)
-    assert num_results(r, prefix) == 20
+    assert num_results(r, prefix) == len(SECOND_TEST_TOKENS)
     assert json.loads(r.get(f"{prefix}:result:{ids[0]}"))["id"] == ids[0]
