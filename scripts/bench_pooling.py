@@ -192,6 +192,44 @@ class VllmCpuEmbed:
         self._child.wait(timeout=120)
 
 
+@dataclass
+class Row:
+    name: str
+    seconds: float
+    tokens_per_s: float
+    # Largest |cos(v, reference) - 1| over the texts: 0 for the reference row itself.
+    drift: float
+    vectors: torch.Tensor
+
+
+def measure(
+    name: str, run: Callable[[Corpus], torch.Tensor], corpus: Corpus, reference: torch.Tensor | None
+) -> Row:
+    """One system's timed pass over the corpus, after an 8-text warm-up; `reference`: the first
+    row's vectors (None for the first row)."""
+    run(Corpus(corpus.texts[:8], corpus.num_tokens[:8]))
+    started = time.perf_counter()
+    vectors = run(corpus)
+    seconds = time.perf_counter() - started
+    reference = vectors if reference is None else reference
+    drift = float((torch.nn.functional.cosine_similarity(vectors, reference) - 1).abs().max())
+    total = sum(corpus.num_tokens)
+    print(f"{name}: {seconds:.1f} s, {total / seconds:.0f} input tokens/s", flush=True)
+    return Row(name, seconds, total / seconds, drift, vectors)
+
+
+def print_table(rows: list[Row], base_name: str) -> None:
+    """The rows as a markdown table, rates against the first row's."""
+    base = rows[0].tokens_per_s
+    print(f"\n| system | seconds | input tokens/s | vs {base_name} | max abs(cos - 1) vs {base_name} |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row.name} | {row.seconds:.1f} | {row.tokens_per_s:.0f} | {row.tokens_per_s / base:.2f}x "
+            f"| {row.drift:.1e} |"
+        )
+
+
 def systems(args: argparse.Namespace) -> dict[str, Callable[[], Callable[[Corpus], torch.Tensor]]]:
     table: dict[str, Callable[[], Callable[[Corpus], torch.Tensor]]] = {
         "qworker LLM.embed": lambda: qworker_embed(args),
@@ -228,28 +266,16 @@ def main() -> None:
     )
     if importlib.util.find_spec("sentence_transformers") is None:
         print("sentence-transformers is not installed in this environment: its rows are not run")
-    rows = []
-    reference: torch.Tensor | None = None
+    rows: list[Row] = []
     for name, build in systems(args).items():
         if args.only and not any(part in name for part in args.only):
             continue
         run = build()
-        run(Corpus(corpus.texts[:8], corpus.num_tokens[:8]))  # warm-up
-        started = time.perf_counter()
-        vectors = run(corpus)
-        seconds = time.perf_counter() - started
-        reference = vectors if reference is None else reference
-        drift = float((torch.nn.functional.cosine_similarity(vectors, reference) - 1).abs().max())
-        rows.append((name, seconds, total / seconds, drift))
-        print(f"{name}: {seconds:.1f} s, {total / seconds:.0f} input tokens/s", flush=True)
+        rows.append(measure(name, run, corpus, rows[0].vectors if rows else None))
         if isinstance(run, VllmCpuEmbed):
             run.close()
         del run
-    base = rows[0][2]
-    print("\n| system | seconds | input tokens/s | vs qworker | max abs(cos - 1) vs qworker |")
-    print("|---|---|---|---|---|")
-    for name, seconds, rate, drift in rows:
-        print(f"| {name} | {seconds:.1f} | {rate:.0f} | {rate / base:.2f}x | {drift:.1e} |")
+    print_table(rows, "qworker")
 
 
 if __name__ == "__main__":

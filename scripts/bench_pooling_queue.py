@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_pooling import Corpus, make_corpus, systems
+from bench_pooling import Corpus, make_corpus, measure, print_table, systems
 
 from qworker.engine.runner import resolve_dtype
 from qworker.engine.startup import cpu_model_name
@@ -108,34 +108,14 @@ def main() -> None:
         f"dtype {resolve_dtype(args.dtype, torch.device('cpu'))}, {args.texts_per_job} text(s) per queued job"
     )
     table = dict(systems(args))
-    rows: list[tuple[str, float, float, float]] = []
-    reference: torch.Tensor | None = None
-
-    def measure(name: str, run: Callable[[Corpus], torch.Tensor]) -> None:
-        nonlocal reference
-        run(Corpus(corpus.texts[:8], corpus.num_tokens[:8]))  # warm-up
-        started = time.perf_counter()
-        vectors = run(corpus)
-        seconds = time.perf_counter() - started
-        reference = vectors if reference is None else reference
-        drift = float((torch.nn.functional.cosine_similarity(vectors, reference) - 1).abs().max())
-        rows.append((name, seconds, total / seconds, drift))
-        print(f"{name}: {seconds:.1f} s, {total / seconds:.0f} input tokens/s", flush=True)
-
     first = next(iter(table))
-    measure(first, table.pop(first)())  # qworker LLM.embed: the reference
+    rows = [measure(first, table.pop(first)(), corpus, None)]  # qworker LLM.embed: the reference
     with queue_worker(args) as url:
-        measure(
-            f"qworker through a queue (1 worker, {args.texts_per_job}/job)",
-            queue_embed(url, args.texts_per_job),
-        )
+        name = f"qworker through a queue (1 worker, {args.texts_per_job}/job)"
+        rows.append(measure(name, queue_embed(url, args.texts_per_job), corpus, rows[0].vectors))
     for name, build in table.items() if not args.qworker_only else ():
-        measure(name, build())
-    base = rows[0][2]
-    print("\n| system | seconds | input tokens/s | vs LLM.embed | max abs(cos - 1) vs LLM.embed |")
-    print("|---|---|---|---|---|")
-    for name, seconds, rate, drift in rows:
-        print(f"| {name} | {seconds:.1f} | {rate:.0f} | {rate / base:.2f}x | {drift:.1e} |")
+        rows.append(measure(name, build(), corpus, rows[0].vectors))
+    print_table(rows, "LLM.embed")
 
 
 if __name__ == "__main__":
