@@ -1,6 +1,8 @@
 """The wheel is complete: built from the sources, installed without dependencies into a fresh
 environment that reuses this test environment's packages (not a second torch) and does not see
-the source tree, it runs `qworker --help` and a tiny offline generation.
+the source tree, it runs `qworker --help`, a tiny offline generation, and its `qworker worker` on
+one queued job. The last two share one interpreter (torch and qworker load once): the script
+generates, then runs the installed console script as its command line would.
 
 An editable install and the tests import qworker from the source tree, so a package left out of
 pyproject's list (qworker.batch once was) shows only here. The build runs on a copy of the
@@ -28,14 +30,18 @@ REPO = Path(__file__).resolve().parents[2]
 # What a wheel is built from (pyproject's readme included).
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "qworker", "kernels")
 
-GENERATE = """
-import json, sys
+# python generate_then_serve.py MODEL_DIR CONSOLE_SCRIPT ARGS...
+GENERATE_THEN_SERVE = """
+import json, runpy, sys
 import qworker
 from qworker import LLM, SamplingParams
 
 llm = LLM(model=sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=16, max_num_seqs=2)
 outs = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-print(json.dumps({"qworker": qworker.__file__, "token_ids": outs[0].outputs[0].token_ids}))
+print(json.dumps({"qworker": qworker.__file__, "token_ids": outs[0].outputs[0].token_ids}), flush=True)
+del llm
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")  # the console script ends with sys.exit(main())
 """
 
 
@@ -78,7 +84,8 @@ def installed(tmp_path_factory) -> Path:
     # Plain path lines: the test environment's .pth files (its editable qworker) are not run.
     paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (site / "test_environment.pth").write_text("".join(f"{p}\n" for p in paths))
-    run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], root)
+    # --no-compile: the few modules the tests import are compiled on import, not all 300.
+    run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--no-compile", str(wheel)], root)
     return venv
 
 
@@ -110,42 +117,55 @@ def test_the_installed_command_starts(installed, tmp_path):
         assert command in done.stdout
 
 
-def test_the_installed_package_generates_offline(installed, tmp_path):
-    model_dir = write_tiny_model_dir(tmp_path / "tiny-llama")
-    script = tmp_path / "generate.py"
-    script.write_text(GENERATE)
-    done = run([str(installed / "bin" / "python"), str(script), str(model_dir)], tmp_path)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert installed in Path(result["qworker"]).parents
-    assert len(result["token_ids"]) == 4
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def test_the_installed_worker_serves_one_job_from_a_queue(installed, tmp_path):
-    """The CPU image's install path end to end: the wheel's `qworker worker` takes a job from a
-    Redis stream, stores its result, and exits (--burst)."""
+@pytest.fixture(scope="module")
+def generated_then_served(installed, model_dir, tmp_path_factory):
+    """GENERATE_THEN_SERVE with the wheel's `qworker worker --burst` on a queue holding one job:
+    (the generation's JSON line, the job's result)."""
     from qworker.jobs.client import Client
     from qworker.testing.worker_kit import cleanup, redis_base_url, unique_url
 
-    model_dir = write_tiny_model_dir(tmp_path / "tiny-llama")
+    tmp_path = tmp_path_factory.mktemp("generate-then-serve")
+    script = tmp_path / "generate_then_serve.py"
+    script.write_text(GENERATE_THEN_SERVE)
     url = unique_url(redis_base_url(), "wheel")
     client = Client(queue=url)
     job_id = client.submit({"prompt_token_ids": [1, 5, 9], "params": {"max_tokens": 4, "ignore_eos": True}})
     try:
-        worker = [
-            str(installed / "bin" / "qworker"),
-            "worker",
-            "--burst",
-            "--queue",
-            url,
+        worker = [str(installed / "bin" / "qworker"), "worker", "--burst", "--queue", url]
+        worker += [
             "--model",
             str(model_dir),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "16",
         ]
-        run([*worker, "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "16"], tmp_path)
-        result = client.result(job_id, timeout=10)
-        assert result.status == "completed", result.error
-        assert len(result.token_ids) == 4
+        done = run([str(installed / "bin" / "python"), str(script), str(model_dir), *worker], tmp_path)
+        generated = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+        yield generated, client.result(job_id, timeout=10)
     finally:
         import redis
 
         cleanup(redis.Redis.from_url(url.split("?", 1)[0]), url)
         client.close()
+
+
+def test_the_installed_package_generates_offline(installed, generated_then_served):
+    generated, _ = generated_then_served
+    assert installed in Path(generated["qworker"]).parents
+    assert len(generated["token_ids"]) == 4
+
+
+def test_the_installed_worker_serves_one_job_from_a_queue(generated_then_served):
+    """The CPU image's install path end to end: the wheel's `qworker worker` takes a job from a
+    Redis stream, stores its result, and exits (--burst)."""
+    _, result = generated_then_served
+    assert result.status == "completed", result.error
+    assert len(result.token_ids) == 4
