@@ -99,7 +99,6 @@ class VllmServeSystem(System):
             str(MAX_MODEL_LEN),
             "--seed",
             "0",
-            "--disable-log-requests",
             *serve_flags(self.engine_options),
         ]
 
