@@ -1,8 +1,12 @@
-"""Through the worker, with `--batch-invariant`: 10 greedy chat jobs and one seeded sampled job on
-the real SmolLM2 in bf16, the worker SIGKILLed mid-run, a peer finishing them in another batch
+"""Through the worker, with `--batch-invariant`: 5 greedy chat jobs and one seeded sampled job on
+the real SmolLM2 in fp32, the worker SIGKILLed mid-run, a peer finishing them in another batch
 composition. Every rerun's text starts with (and so repeats) what its first attempt had streamed,
 `Client.stream` raises nothing, and the stored text is what the reader assembled. Real worker
 processes on the real Redis.
+
+fp32: the claim is about redelivery, and `--batch-invariant` holds in fp32 too; on a CPU without
+bf16 hardware bf16 matmuls are emulated and several times slower. test_batch_invariance_batch.py
+checks bf16 batch invariance through workers.
 """
 
 from __future__ import annotations
@@ -28,14 +32,9 @@ QUESTIONS = [
     "Name three colours of the rainbow.",
     "Why is the sky blue?",
     "Write one sentence about cats.",
-    "What is 12 times 7?",
-    "Give a synonym for happy.",
-    "What do bees make?",
-    "Describe the sea in five words.",
     "How many legs does a spider have?",
-    "What is the opposite of cold?",
 ]
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 
 
 @pytest.fixture
@@ -59,7 +58,7 @@ def test_redelivered_jobs_repeat_their_text(url: str, tmp_path: Path) -> None:
     prefix = parse_url(url, SOURCE_PARAMS | SINK_PARAMS).params["prefix"]
     r = raw_redis(url)
     client = Client(queue=url)
-    common = ("--dtype", "bfloat16", "--batch-invariant", "--lease-timeout-s", "2", "--drain-grace-s", "0")
+    common = ("--dtype", "float32", "--batch-invariant", "--lease-timeout-s", "2", "--drain-grace-s", "0")
     victim = spawn_worker(url, Path("smollm2"), "victim", *common, log_path=tmp_path / "victim.log")
     peer = None
     try:
