@@ -40,6 +40,16 @@ class SchedulingPolicy(str, Enum):
     PRIORITY = "priority"
 
 
+class QuantizationMethod(str, Enum):
+    """EngineConfig.quantization besides none (qworker/quantization/, docs/quantization.md)."""
+
+    # W8A8: int8 weights per output channel, int8 activations per token, int32 sums
+    INT8 = "int8"
+
+
+QUANTIZATION_METHODS = tuple(method.value for method in QuantizationMethod)
+
+
 class RunnerKind(str, Enum):
     """vLLM's --runner: what the engine serves (docs/pooling.md)."""
 
@@ -157,6 +167,15 @@ class EngineConfig:
             "chunking, prefix-cache hits and preemption (CPU; see docs/reproducibility.md)"
         },
     )
+    quantization: QuantizationMethod | None = field(
+        default=None,
+        metadata={
+            "help": "none: the checkpoint's own weights in --dtype; int8: W8A8, int8 weights per "
+            "output channel and int8 activations per token with int32 sums (a bf16/fp32 checkpoint "
+            "is quantized at load; embeddings and lm_head stay unquantized). A compressed-tensors "
+            "W8A8 checkpoint runs int8 either way (docs/quantization.md)"
+        },
+    )
 
     disable_additional_properties: bool = field(
         default=True,
@@ -240,6 +259,15 @@ class EngineConfig:
             raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|triton, got {self.attention_backend!r}")
+        if self.quantization == "none":
+            self.quantization = None  # the help's name for the default
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization must be none or {', '.join(QUANTIZATION_METHODS)} (W8A8), "
+                    f"got {self.quantization!r}"
+                )
+            self.quantization = QuantizationMethod(self.quantization)
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:

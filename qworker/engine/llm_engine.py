@@ -31,6 +31,7 @@ from qworker.lora.manager import LoRAManager, WaitingForAdapter
 from qworker.lora.request import LoRARequest
 from qworker.model.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from qworker.model.registry import model_config_from_hf
+from qworker.quantization.scheme import resolve_quantization
 
 __all__ = ["LLMEngine", "Prompt"]
 
@@ -58,6 +59,11 @@ class LLMEngine:
             tokenizer = load_tokenizer(resolved.path)
             state_dict = load_state_dict(resolved.path)
         self.tokenizer = tokenizer
+        # Decided before the weights are used: a checkpoint quantized in a scheme qworker cannot
+        # run fails here, in one line.
+        plan = resolve_quantization(config.quantization, getattr(hf_config, "quantization_config", None))
+        # What this engine runs ("int8" or None): a W8A8 file runs int8 without the option.
+        self.quantization = plan.method if plan is not None else None
         self.model_config = model_config_from_hf(hf_config)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -69,13 +75,15 @@ class LLMEngine:
             self.max_model_len,
             state_dict=state_dict,
             eos_token_ids=self.eos_token_ids,
+            quantization=plan,
         )
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching and self.model_config.is_prefix_cacheable,
             # What decides a block's KV besides its tokens: this engine's weights and dtype.
-            cache_salt=f"{config.model}|{self.runner.dtype}",
+            cache_salt=f"{config.model}|{self.runner.dtype}"
+            + (f"|{self.quantization}" if self.quantization else ""),
         )
         # LoRA adapters: loaded off the step loop, device slots counted by the scheduler.
         self.lora = (

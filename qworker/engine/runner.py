@@ -27,6 +27,7 @@ from qworker.model.decoder import DecoderForCausalLM
 from qworker.model.ops import select_model_ops
 from qworker.model.pooler import Pooler, PoolingChunk
 from qworker.model.weights import load_checkpoint
+from qworker.quantization.scheme import QuantizationPlan, QuantizationSource
 from qworker.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class ModelRunner:
     `state_dict` holds a Hugging Face checkpoint's tensors (None leaves the random init, for tests).
     `eos_token_ids` are masked while a request is below its min_tokens. CUDA graphs are enabled at
     construction on CUDA with a backend that supports them, unless `config.enforce_eager`.
+    `quantization` (qworker.quantization.resolve_quantization's plan; None: unquantized) swaps the
+    decoder's projections for int8 ones after the checkpoint loads.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class ModelRunner:
         *,
         state_dict: dict[str, torch.Tensor] | None = None,
         eos_token_ids: Iterable[int] = (),
+        quantization: QuantizationPlan | None = None,
     ) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -125,8 +129,27 @@ class ModelRunner:
         self.backend = select_attention_backend(config.attention_backend, self.device)
         ops = select_model_ops(self.backend.name, self.device)
         model = DecoderForCausalLM(model_config, max_positions=max_model_len, ops=ops)
+        self.quantization = quantization
+        checkpoint_int8 = None
+        if quantization is not None:
+            from qworker.quantization.compressed_tensors import split_w8a8_checkpoint
+            from qworker.quantization.int8_linear import check_int8_device
+
+            check_int8_device(self.device)
+            if config.enable_lora:
+                raise InvalidConfigError(
+                    "enable_lora with quantization=int8 is not supported: the adapter layers take "
+                    "float base weights; run LoRA on the unquantized model"
+                )
+            if quantization.source is QuantizationSource.COMPRESSED_TENSORS and state_dict is not None:
+                state_dict, checkpoint_int8 = split_w8a8_checkpoint(state_dict, model_config)
         if state_dict is not None:
             load_checkpoint(model, state_dict, model_config)
+        if quantization is not None:
+            from qworker.quantization.decoder import quantize_decoder
+
+            # Before the move to the model dtype: weights quantize from the checkpoint's values.
+            quantize_decoder(model, checkpoint_int8)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if config.batch_invariant:
             from qworker.model.batch_invariant import make_batch_invariant
