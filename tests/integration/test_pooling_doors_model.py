@@ -1,8 +1,10 @@
 """The pooling doors on a real model: a `qworker worker` process (tiny random Llama with the
 SmolLM2 tokenizer, fp32, last-token pooling) on the tests' Redis behind an in-process gateway.
 The openai SDK's embeddings (a string, a list, token ids, dimensions, both encodings) and a
-200-row embeddings batch file through `qworker batch` (local) and the Batches API give the
-vectors `LLM.embed` gives in this process, within 1e-5 (fp32; the steps pack other inputs)."""
+40-row embeddings batch file (one row of each length from 1 to 40 words, so that the steps pack
+inputs of every length up to three blocks) through `qworker batch` (local) and the Batches API
+give the vectors `LLM.embed` gives in this process, within 1e-5 (fp32; the steps pack other
+inputs)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ from qworker.testing.worker_kit import (
     redis_base_url,
     spawn_worker,
     unique_url,
-    write_tiny_model_dir,
 )
 from tests.gateway.conftest import serve_app
 
@@ -38,12 +39,15 @@ pytestmark = pytest.mark.timeout(180)
 
 KEY = "sk-pool-model-" + uuid.uuid4().hex
 TOLERANCE = 1e-5
-TEXTS = [f"document {i}: " + " ".join(["word"] * (1 + (i * 7) % 40)) for i in range(200)]
+# 7 and 40 are coprime: the 40 rows take every word count from 1 to 40 once, in a mixed order.
+NUM_TEXTS = 40
+TEXTS = [f"document {i}: " + " ".join(["word"] * (1 + (i * 7) % 40)) for i in range(NUM_TEXTS)]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_model_dir(tmp_path_factory.getbasetemp() / "pooling-tiny-model")
+def model_dir(tiny_model_dir):
+    """The session's tiny model (write_tiny_model_dir's defaults): built once per test process."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,11 @@ def pool(model_dir, tmp_path_factory, request):
 
     def start() -> None:
         try:
-            started["process"] = spawn_worker(url, model_dir, "pool-w1", log_path=folder / "w1.log")
+            # 256 KV blocks: every input here fits many times over, and they build in 0.4 s where
+            # the 16384 sized from memory take 1.5 s.
+            started["process"] = spawn_worker(
+                url, model_dir, "pool-w1", "--num-kv-blocks", "256", log_path=folder / "w1.log"
+            )
         except Exception as exc:
             started["error"] = exc
 
