@@ -194,7 +194,12 @@ def serve_worker(engine_config: EngineConfig, settings: WorkerSettings, run: Wor
     )
     engine = load_engine_in_phases(engine_config, timings)
     hardware = describe_hardware(engine)
-    metrics.set_info(model=engine_config.model, dtype=hardware.dtype, device=hardware.device)
+    metrics.set_info(
+        model=engine_config.model,
+        dtype=hardware.dtype,
+        device=hardware.device,
+        quantization=getattr(engine, "quantization", None),
+    )
     w = Worker(engine, source, sink, settings, metrics=metrics, health=health)
     w.install_signal_handlers()
     timings.mark_ready()

@@ -215,8 +215,16 @@ class WorkerMetrics:
         if timings.to_ready_s is not None:
             self.startup_seconds.labels(phase="total").set(timings.to_ready_s)
 
-    def set_info(self, *, model: str, dtype: str, device: str) -> None:
-        self.info.info({"model": model, "dtype": dtype, "device": device, "version": installed_version()})
+    def set_info(self, *, model: str, dtype: str, device: str, quantization: str | None = None) -> None:
+        self.info.info(
+            {
+                "model": model,
+                "dtype": dtype,
+                "device": device,
+                "quantization": quantization or "none",
+                "version": installed_version(),
+            }
+        )
 
     def set_engine_gauges(
         self,

@@ -61,7 +61,8 @@ class ReportFiller:
         stats.pid = self.pid
         stats.started_at = self.started_at
         stats.model = model_label(str(config.model))
-        stats.quantization = getattr(config, "quantization", None)
+        # The engine's own: a compressed-tensors W8A8 checkpoint runs int8 without the option.
+        stats.quantization = getattr(engine, "quantization", None) or getattr(config, "quantization", None)
         stats.adapters = engine.loaded_adapter_names()
         stats.num_waiting = admission.num_jobs_not_started
         stats.num_running = admission.num_jobs_held - admission.num_jobs_not_started
