@@ -126,6 +126,25 @@ def test_int8_with_prefix_cache_hits(hf_model, int8_tokens) -> None:
     assert engine.kv_stats().num_prefix_cache_hits > 0
 
 
+def test_int8_with_batch_invariant_is_bit_stable_across_batches(hf_model) -> None:
+    # The int8 layers are invariant by construction (per-row scales, exact int32 sums); the rest
+    # of the model takes the batch-invariant kernels as usual.
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run(engine, prompt_list):
+        ids = [
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, params) for i, p in enumerate(prompt_list)
+        ]
+        outs = run_to_completion(engine)
+        completion = outs[ids[-1]].outputs[0]
+        return completion.token_ids, [{t: e.logprob for t, e in d.items()} for d in completion.logprobs]
+
+    alone = run(tiny_engine(hf_model, quantization="int8", batch_invariant=True), prompts()[-1:])
+    engine = tiny_engine(hf_model, quantization="int8", batch_invariant=True, max_num_batched_tokens=5)
+    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    assert run(engine, prompts()) == alone
+
+
 def test_int8_logprobs_are_close_to_fp32s(hf_model) -> None:
     prompt = prompts()[-1]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
