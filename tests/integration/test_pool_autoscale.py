@@ -2,11 +2,11 @@
 pool-demand signal, read every second over HTTP from the exporter's own loop, and starts and stops
 real worker processes (1 torch thread each, at most 2 at once) while bursts of 60 to 110 small
 jobs and a trickle of longer ones arrive on the suite's Redis server (tests/conftest.py). The
-scenario (tests/pool_emulator/scenario.py, bursty_config, with smaller bursts, a shorter trickle
-and a shorter quiet gap: see scenario_config) scales 0 -> 2 -> 1 -> 0 -> 1 -> 0: the scale-in to 1
-happens at the burst's tail or during the trickle and removes the worker holding the most jobs,
-with a drain grace shorter than what is left of them, so that it releases them to its peer; the
-last burst comes when the pool is at 0 and brings it back up from zero."""
+scenario (tests/pool_emulator/scenario.py, bursty_config, with smaller bursts: see
+scenario_config) scales 0 -> 2 -> 1 -> 0 -> 1 -> 0: the scale-in to 1 happens at the burst's tail
+or during the trickle and removes the worker holding the most jobs, with a drain grace shorter
+than what is left of them, so that it releases them to its peer; the last burst comes when the
+pool is at 0 and brings it back up from zero."""
 
 from __future__ import annotations
 
@@ -26,27 +26,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def scenario_config() -> ScenarioConfig:
-    """bursty_config, cut where the claim allows:
+    """bursty_config with smaller bursts, its trickle and quiet gap as they are:
 
-    - its first burst from 160 short jobs to 110 (about 510 blocks: the signal still asks for 2
+    - the first burst from 160 short jobs to 110 (about 510 blocks: the signal still asks for 2
       workers, the target being 410 blocks a worker);
-    - its trickle from 25 long jobs over 25 s to 6 over 6 s (about 330 blocks when all are in:
-      one worker's worth, so that the trickle no longer asks for a second worker that a loaded
-      machine started and stopped again before it was ready);
     - the last burst, from zero again, from 120 short jobs to 60 (about 280 blocks: one worker,
-      one cold start instead of two at once), started 17 s (was 20 s) after 5 of the trickle's 6
-      jobs are done (was 90% of 25: a job of slack is kept, so that a job lost by a broken drain
-      fails the run's checks instead of stalling it): the pool reaches 0 about 10 s after the
-      trickle's last job (the cooldown and the scale-down window, 5 s each).
+      one cold start instead of two at once).
+
+    The trickle (25 long jobs over 25 s) stays: on a quiet machine the burst is done before the
+    scale-in, which then finds jobs to release only in a trickle still under way (a trickle of 15
+    over 15 s once left nothing to release in CI).
     """
     config = bursty_config()
-    cuts: dict[str, dict[str, Any]] = {
-        "burst-1": {"num_jobs": 110},
-        "trickle-1": {"num_jobs": 6, "spread_s": 6.0},
-        "last-burst": {"num_jobs": 60, "at_s": 17.0, "after_done_fraction": 0.8},
-    }
+    cuts: dict[str, dict[str, Any]] = {"burst-1": {"num_jobs": 110}, "last-burst": {"num_jobs": 60}}
     bursts = tuple(replace(burst, **cuts.get(burst.name, {})) for burst in config.bursts)
-    assert {b.name for b in bursts} == cuts.keys()
+    assert {b.name for b in bursts} >= cuts.keys()
     return replace(config, bursts=bursts)
 
 
