@@ -107,8 +107,9 @@ def peer(node, tiny_model_dir, tmp_path_factory):
 
 
 # Tokens of each task in the kill test: the victim's tasks are still running when the kill comes
-# (it follows the first moment both workers hold tasks, within a poll of 0.05 s).
-KILL_TOKENS = 48
+# (it follows the first moment both workers hold tasks, within a poll of 0.05 s; the victim runs
+# all it holds at once, so that they end together, 64 decode steps after they start).
+KILL_TOKENS = 64
 
 
 @pytest.mark.timeout(240)
