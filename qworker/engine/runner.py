@@ -26,6 +26,7 @@ from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderForCausalLM
 from qworker.model.ops import select_model_ops
 from qworker.model.pooler import Pooler, PoolingChunk
+from qworker.model.skip_init import skip_weight_init
 from qworker.model.weights import load_checkpoint
 from qworker.quantization.scheme import QuantizationPlan, QuantizationSource
 from qworker.utils import cdiv
@@ -128,7 +129,9 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.backend = select_attention_backend(config.attention_backend, self.device)
         ops = select_model_ops(self.backend.name, self.device)
-        model = DecoderForCausalLM(model_config, max_positions=max_model_len, ops=ops)
+        # A checkpoint overwrites every weight: no random draws for it (qworker/model/skip_init.py).
+        with skip_weight_init(enabled=state_dict is not None):
+            model = DecoderForCausalLM(model_config, max_positions=max_model_len, ops=ops)
         self.quantization = quantization
         checkpoint_int8 = None
         if quantization is not None:
