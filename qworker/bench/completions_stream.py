@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-from qworker.bench.queue_client import _Chunk, _Done, apply_events
 from qworker.bench.records import RequestRecord, RequestStatus
 from qworker.bench.run import Run
+from qworker.bench.stream_events import StreamChunk, StreamDone, apply_events
 from qworker.bench.workload import BenchRequest
 
 # Concurrent streams a run may hold open: the client pool's limit (and a spawned gateway's).
@@ -47,7 +47,7 @@ class CompletionsStream:
             models.raise_for_status()
             model_name = str(models.json()["data"][0]["id"])
         self.model_name = model_name
-        self._events: queue.Queue[_Chunk | _Done] = queue.Queue()
+        self._events: queue.Queue[StreamChunk | StreamDone] = queue.Queue()
         self._responses: dict[str, httpx.Response] = {}
         self._finish_reasons: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -87,7 +87,11 @@ class CompletionsStream:
             response.close()
 
     def _read(
-        self, run: Run, record: RequestRecord, body: dict[str, Any], events: queue.Queue[_Chunk | _Done]
+        self,
+        run: Run,
+        record: RequestRecord,
+        body: dict[str, Any],
+        events: queue.Queue[StreamChunk | StreamDone],
     ) -> None:
         """A reader thread: the request's server-sent events as they come, until [DONE]."""
         num_tokens: int | None = None
@@ -97,7 +101,9 @@ class CompletionsStream:
                 if response.status_code != 200:
                     text = response.read().decode(errors="replace")[:500]
                     events.put(
-                        _Done(record, run.now(), RequestStatus.FAILED, f"HTTP {response.status_code}: {text}")
+                        StreamDone(
+                            record, run.now(), RequestStatus.FAILED, f"HTTP {response.status_code}: {text}"
+                        )
                     )
                     return
                 with self._lock:
@@ -110,27 +116,31 @@ class CompletionsStream:
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        events.put(_Done(record, run.now(), RequestStatus.FAILED, str(chunk["error"])[:500]))
+                        events.put(
+                            StreamDone(record, run.now(), RequestStatus.FAILED, str(chunk["error"])[:500])
+                        )
                         return
                     for choice in chunk.get("choices") or []:
                         if choice.get("text"):
-                            events.put(_Chunk(record, run.now()))
+                            events.put(StreamChunk(record, run.now()))
                         if choice.get("finish_reason"):
                             reasons.append(choice["finish_reason"])
                     if chunk.get("usage"):
                         num_tokens = chunk["usage"]["completion_tokens"]
                 else:
                     events.put(
-                        _Done(record, run.now(), RequestStatus.FAILED, "the stream ended before [DONE]")
+                        StreamDone(record, run.now(), RequestStatus.FAILED, "the stream ended before [DONE]")
                     )
                     return
         except Exception as exc:  # a broken stream fails its request, never the run
             if record.status is None:
-                events.put(_Done(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"))
+                events.put(
+                    StreamDone(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}")
+                )
             return
         finally:
             with self._lock:
                 self._responses.pop(record.request_id, None)
         with self._lock:
             self._finish_reasons.update(reasons)
-        events.put(_Done(record, run.now(), RequestStatus.COMPLETED, None, num_tokens))
+        events.put(StreamDone(record, run.now(), RequestStatus.COMPLETED, None, num_tokens))

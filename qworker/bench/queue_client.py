@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,8 @@ from qworker.bench.registry import (
     engine_config_for,
     parse_field_options,
 )
-from qworker.bench.run import IDLE_POLL_S, Run, RunClock
+from qworker.bench.run import Run, RunClock
+from qworker.bench.stream_events import StreamChunk, StreamDone, apply_events
 from qworker.bench.system import System
 from qworker.bench.workload import BenchRequest
 from qworker.cli_options import config_option_list, config_to_args
@@ -57,59 +58,6 @@ QUEUE_URL_OPTIONS: dict[str, type] = {"affinity_lanes": int, "steal_after_s": fl
 # A stream that shows nothing for this long is failed (the worker died or never took it).
 DEFAULT_STREAM_STALL_S = 600.0
 _RESULT_STATUSES = {"completed": RequestStatus.COMPLETED, "timeout": RequestStatus.TIMEOUT}
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """A reader thread saw a text delta of the record's job at time t."""
-
-    record: RequestRecord
-    t: float
-
-
-@dataclass(frozen=True)
-class _Done:
-    """A reader thread read the job's result (or gave up on it) at time t."""
-
-    record: RequestRecord
-    t: float
-    status: RequestStatus
-    error: str | None = None
-    num_output_tokens: int | None = None
-    queue_wait_s: float | None = None
-    num_cached_tokens: int | None = None
-    worker: str | None = None
-
-
-def apply_events(run: Run, events: queue.Queue[_Chunk | _Done], wake: float | None) -> None:
-    """Apply the reader threads' events to the run: wait for the first until `wake` (or a poll
-    interval), then take every one already there."""
-    timeout = IDLE_POLL_S if wake is None else max(0.0, wake - run.now())
-    try:
-        event = events.get(timeout=timeout)
-    except queue.Empty:
-        return
-    while True:
-        _apply(run, event)
-        try:
-            event = events.get_nowait()
-        except queue.Empty:
-            return
-
-
-def _apply(run: Run, event: _Chunk | _Done) -> None:
-    record = event.record
-    if record.status is not None:
-        return  # the loop timed it out first
-    if isinstance(event, _Chunk):
-        run.emit(record, event.t, 0)
-        return
-    if event.num_output_tokens is not None:
-        record.num_output_tokens = event.num_output_tokens
-    record.queue_wait_s = event.queue_wait_s
-    record.num_cached_tokens = event.num_cached_tokens
-    record.worker = event.worker
-    run.finish(record, event.status, event.t, event.error)
 
 
 def default_redis_url() -> str:
@@ -202,7 +150,7 @@ class QueueClientSystem(System):
         self.run_tag = uuid.uuid4().hex[:10]
         self._num_runs = 0
         self.startup_s: float | None = None
-        self._events: queue.Queue[_Chunk | _Done] = queue.Queue()
+        self._events: queue.Queue[StreamChunk | StreamDone] = queue.Queue()
         self._job_ids: dict[str, str] = {}  # request id -> job id, this run
         self._collector: queue.Queue[tuple[RequestRecord, str] | None] | None = None
 
@@ -401,12 +349,12 @@ class QueueClientSystem(System):
     def _stall_s(self, run: Run) -> float:
         return run.limits.request_timeout_s or DEFAULT_STREAM_STALL_S
 
-    def _result_event(self, run: Run, record: RequestRecord, job_id: str) -> _Done:
+    def _result_event(self, run: Run, record: RequestRecord, job_id: str) -> StreamDone:
         """Wait for the job's stored result; any error fails its request, never the run."""
         try:
             result = self.client.result(job_id, timeout=self._stall_s(run))
         except Exception as exc:
-            return _Done(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}")
+            return StreamDone(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}")
         t = run.now()
         status = _RESULT_STATUSES.get(result.status.value, RequestStatus.FAILED)
         error = f"{result.error.type}: {result.error.message}" if result.error else None
@@ -416,7 +364,7 @@ class QueueClientSystem(System):
         queue_wait_s = None
         if timings.started_at is not None and timings.enqueued_at is not None:
             queue_wait_s = timings.started_at - timings.enqueued_at
-        return _Done(
+        return StreamDone(
             record,
             t,
             status,
@@ -428,16 +376,16 @@ class QueueClientSystem(System):
         )
 
     def _read(
-        self, run: Run, record: RequestRecord, job_id: str, events: queue.Queue[_Chunk | _Done]
+        self, run: Run, record: RequestRecord, job_id: str, events: queue.Queue[StreamChunk | StreamDone]
     ) -> None:
         """A reader thread: the job's deltas as they come, then its result."""
         try:
             for _text in self.client.stream(job_id, timeout=self._stall_s(run)):
-                events.put(_Chunk(record, run.now()))
+                events.put(StreamChunk(record, run.now()))
                 if record.status is not None:
                     return  # timed out: the job was cancelled
         except Exception as exc:  # a broken stream fails its request, never the run
-            events.put(_Done(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"))
+            events.put(StreamDone(record, run.now(), RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"))
             return
         events.put(self._result_event(run, record, job_id))
 
@@ -445,7 +393,7 @@ class QueueClientSystem(System):
         self,
         run: Run,
         jobs: queue.Queue[tuple[RequestRecord, str] | None],
-        events: queue.Queue[_Chunk | _Done],
+        events: queue.Queue[StreamChunk | StreamDone],
     ) -> None:
         """The results-only reader: each job's result in submit order, until the run ends (None)."""
         while (item := jobs.get()) is not None:
