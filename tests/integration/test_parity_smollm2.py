@@ -1,11 +1,17 @@
 """Token-exact greedy parity with transformers on the real SmolLM2-135M-Instruct, in float32.
 
-Each engine configuration below (defaults, every prompt chunked, preemption, block sizes 1 to 32,
-requests joining mid-decode) runs the same 12 prompts (raw and chat-formatted, from 3 to over
-1,000 tokens) and must reproduce transformers' `generate`.
+Each engine configuration below (defaults, every prompt chunked, preemption, block sizes 1 and
+32, requests joining mid-decode) must reproduce transformers' `generate`. The defaults run all 12
+prompts (raw and chat-formatted, from 1 to over 1,000 tokens); the other configurations run the
+11 up to 423 tokens (27 blocks of 16, 53 chunks of 8), which take the same chunked, preempted and
+block-crossing paths at under half the prefill. The configurations that differ from the defaults
+only in their token budget run on the module's one default engine.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -15,7 +21,7 @@ from tests.conftest import run_with_staggered_arrivals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-MAX_TOKENS = 20
+MAX_TOKENS = 12
 
 PARAGRAPH = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -46,6 +52,10 @@ CHATS = [
     ],
     [{"role": "user", "content": PARAGRAPH * 2 + "\nWho invented the printing press?"}],
 ]
+# The prompt of over 1,000 tokens (65 blocks, 131 chunks of 8): only the defaults run it.
+LONGEST = 7
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +70,12 @@ def prompt_ids():
     chats = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
     ids = raw + chats
     assert len(ids) == 12
-    assert max(len(p) for p in ids) > 1000 and min(len(p) for p in ids) < 5
+    assert max(len(p) for p in ids) == len(ids[LONGEST]) > 1000 and min(len(p) for p in ids) < 5
     return ids
+
+
+def without_longest(items: list) -> list:
+    return [item for i, item in enumerate(items) if i != LONGEST]
 
 
 @pytest.fixture(scope="module")
@@ -89,66 +103,87 @@ def expected(prompt_ids, hf_smollm2):
     return outs
 
 
-def run(prompt_ids, **engine_args):
-    llm = LLM("smollm2", dtype="float32", num_kv_blocks=engine_args.pop("num_kv_blocks", 400), **engine_args)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompt_ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    )
-    return llm, [o.outputs[0].token_ids for o in outs]
+@pytest.fixture(scope="module")
+def default_llm() -> LLM:
+    """Every default but the pool: block size 16, budget 2048, the prefix cache on."""
+    return LLM("smollm2", dtype="float32", num_kv_blocks=400)
 
 
-def test_a_all_at_once_defaults(prompt_ids, expected):
-    _, got = run(prompt_ids)
-    assert got == expected
+@contextmanager
+def budget_without_the_cache(llm: LLM, budget: int) -> Iterator[None]:
+    """The default engine at another token budget, prefix-cache lookups and entries off (so that
+    no prompt starts from what an earlier test cached), both restored after."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    scheduler, kv = engine.scheduler, engine.scheduler.kv_cache_manager
+    previous = scheduler.max_num_batched_tokens, kv.enable_prefix_caching
+    scheduler.max_num_batched_tokens, kv.enable_prefix_caching = budget, False
+    try:
+        yield
+    finally:
+        scheduler.max_num_batched_tokens, kv.enable_prefix_caching = previous
 
 
-def test_b_every_prompt_chunked(prompt_ids, expected):
-    _, got = run(prompt_ids, max_num_batched_tokens=8)
-    assert got == expected
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+def test_a_all_at_once_defaults(default_llm, prompt_ids, expected):
+    assert generate(default_llm, prompt_ids) == expected
+
+
+def test_b_every_prompt_chunked(default_llm, prompt_ids, expected):
+    with budget_without_the_cache(default_llm, 8):
+        computed_before = default_llm.llm_engine.scheduler.num_prompt_tokens_computed
+        assert generate(default_llm, without_longest(prompt_ids)) == without_longest(expected)
+        computed = default_llm.llm_engine.scheduler.num_prompt_tokens_computed - computed_before
+    assert computed == sum(len(p) for p in without_longest(prompt_ids)), "a prompt came from the cache"
 
 
 def test_c_preemption(prompt_ids, expected):
-    # 80 blocks of 16 = 1,280 slots: the longest request alone needs 70 of them. (With 90, the
-    # prompts admitted together share their chat template's blocks and nothing is preempted.)
-    llm, got = run(prompt_ids, num_kv_blocks=80)
+    # 32 blocks of 16 = 512 slots: the longest request here alone needs 28 of them, all 11 together
+    # 71. (The prompts admitted together share their chat template's blocks: a pool that holds
+    # nearly all of them preempts nothing.)
+    llm = LLM("smollm2", dtype="float32", num_kv_blocks=32)
+    assert generate(llm, without_longest(prompt_ids)) == without_longest(expected)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert got == expected
 
 
-# 16 is the default block size, and 6400 // 16 is test_a's 400 blocks: test_a is that case.
+# 16 is the default block size, and 6400 // 16 is the default engine's 400 blocks: test_a is that
+# case.
 @pytest.mark.parametrize("block_size", [1, 32])
 def test_d_block_sizes(prompt_ids, expected, block_size):
-    num_blocks = 6400 // block_size
-    _, got = run(prompt_ids, block_size=block_size, num_kv_blocks=num_blocks)
-    assert got == expected
+    llm = LLM("smollm2", dtype="float32", block_size=block_size, num_kv_blocks=6400 // block_size)
+    assert generate(llm, without_longest(prompt_ids)) == without_longest(expected)
 
 
-def test_e_requests_join_mid_decode(prompt_ids, expected):
-    llm = LLM("smollm2", dtype="float32", num_kv_blocks=400, max_num_batched_tokens=256)
-    engine = llm.llm_engine
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    assert run_with_staggered_arrivals(engine, prompt_ids, params, steps_between=2) == expected
+def test_e_requests_join_mid_decode(default_llm, prompt_ids, expected):
+    # At a budget of 256 the 423-token prompt is prefilled in two chunks beside the decodes.
+    with budget_without_the_cache(default_llm, 256):
+        got = run_with_staggered_arrivals(
+            default_llm.llm_engine, without_longest(prompt_ids), GREEDY, steps_between=2
+        )
+    assert got == without_longest(expected)
 
 
-def test_text_and_chat_api(prompt_ids, expected):
-    llm = LLM("smollm2", dtype="float32", num_kv_blocks=400)
+def test_text_and_chat_api(default_llm, expected):
+    llm = default_llm
     tokenizer = llm.get_tokenizer()
-    out = llm.generate(RAW_PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+    out = llm.generate(RAW_PROMPTS[1], GREEDY)[0]
     assert out.outputs[0].token_ids == expected[1]
     assert out.outputs[0].text == tokenizer.decode(expected[1], skip_special_tokens=True)
-    chat = llm.chat(CHATS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+    chat = llm.chat(CHATS[0], GREEDY)[0]
     assert chat.outputs[0].token_ids == expected[8]
     assert chat.metrics.arrival_time <= chat.metrics.first_token_time <= chat.metrics.finished_time
 
 
-def test_repetition_penalty_equals_transformers(prompt_ids, expected, hf_smollm2):
+def test_repetition_penalty_equals_transformers(default_llm, prompt_ids, expected, hf_smollm2):
     """vLLM's repetition_penalty is transformers' (over the prompt and the output): greedy tokens
     equal `generate(repetition_penalty=...)`'s, for a penalty above 1 and one below, in one batch
     (two short prompts, 12 tokens: transformers' generate is most of the cost)."""
     num_tokens = 12
     requests = [(prompt_ids[i], r) for i in (1, 3) for r in (1.3, 0.85)]
-    llm = LLM("smollm2", dtype="float32", num_kv_blocks=200)
-    outs = llm.generate(
+    outs = default_llm.generate(
         [{"prompt_token_ids": p} for p, _ in requests],
         [SamplingParams(max_tokens=num_tokens, temperature=0.0, repetition_penalty=r) for _, r in requests],
     )

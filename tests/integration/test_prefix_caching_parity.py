@@ -2,20 +2,28 @@
 the cache off.
 
 For configurations of the greedy parity tests (defaults, a token budget of 8, a pool small enough
-to preempt, requests joining mid-decode) an engine with the cache off runs the 12 parity prompts
-once, and an engine with it on runs them twice: the second round finds every prompt cached up to
-its last block. All three must agree token for token. Then prompts built to share a prefix with an
-earlier one exactly up to a block boundary, one token past it, one token short of it, and in full,
-at block sizes 1, 16 and 32; and a seeded sampled request, cached or not.
+to preempt, requests joining mid-decode) an engine with the cache on runs the parity prompts
+twice (all 12 at the defaults, the 11 without the one of over 1,000 tokens elsewhere, as in the
+parity tests): the first round from an empty cache, the second finding every prompt cached up to
+its last block. Both must give the tokens of one uncached run. Then prompts built to share a
+prefix with an earlier one exactly up to a block boundary, one token past it, one token short of
+it, and in full, at block sizes 1, 16 and 32; and a seeded sampled request, cached or not.
+
+Two module engines serve most tests: one with the cache off (every reference) and one with it on
+at the default block size and pool; a test on the cached one starts from an emptied cache, at its
+own token budget. Only the small pool and block sizes 1 and 32 build engines of their own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
 from qworker import LLM, SamplingParams
 from tests.conftest import run_with_staggered_arrivals
-from tests.integration.test_parity_smollm2 import CHATS, MAX_TOKENS, PARAGRAPH, RAW_PROMPTS
+from tests.integration.test_parity_smollm2 import CHATS, LONGEST, MAX_TOKENS, PARAGRAPH, RAW_PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,10 +41,12 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> list[list[int]]:
-    """The greedy parity tests' 12 prompts, raw and chat-formatted, from 3 to over 1,000 tokens."""
+    """The greedy parity tests' 12 prompts, raw and chat-formatted, from 1 to over 1,000 tokens."""
     raw = [tokenizer.encode(p, add_special_tokens=False) for p in RAW_PROMPTS]
     chats = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in CHATS]
-    return raw + [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    ids = raw + [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    assert len(ids[LONGEST]) > 1000
+    return ids
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -50,10 +60,48 @@ def make_llm(**engine_args) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def expected(prompt_ids) -> list[list[int]]:
+def uncached_llm() -> LLM:
+    return make_llm(enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def cached_llm() -> LLM:
+    """Block size 16, 400 blocks, budget 2048, the cache on: the defaults of the parity tests."""
+    return make_llm()
+
+
+def empty_prefix_cache(llm: LLM) -> None:
+    """Evict every cached block (nothing in flight): the next request finds nothing, as on a new
+    engine. Taking every free block evicts the cached ones; giving them back frees them uncached."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    pool.free(pool.allocate(pool.num_free_blocks))
+    assert engine.kv_stats().num_cached_blocks == 0
+
+
+@contextmanager
+def cold_at_budget(llm: LLM, budget: int | None = None) -> Iterator[LLM]:
+    """The engine with an empty cache and (if given) another token budget, restored after."""
+    empty_prefix_cache(llm)
+    scheduler = llm.llm_engine.scheduler
+    previous = scheduler.max_num_batched_tokens
+    scheduler.max_num_batched_tokens = budget or previous
+    try:
+        yield llm
+    finally:
+        scheduler.max_num_batched_tokens = previous
+
+
+@pytest.fixture(scope="module")
+def expected(uncached_llm, prompt_ids) -> list[list[int]]:
     # One uncached run serves every configuration: the greedy parity tests show that all of them
     # give transformers' tokens, so they give the same tokens as each other.
-    return generate(make_llm(enable_prefix_caching=False), prompt_ids)
+    return generate(uncached_llm, prompt_ids)
+
+
+def without_longest(items: list) -> list:
+    return [item for i, item in enumerate(items) if i != LONGEST]
 
 
 # Block sizes 1 and 32 are not repeated here: the boundary test below runs both (and 16) on this
@@ -62,49 +110,61 @@ def expected(prompt_ids) -> list[list[int]]:
 CONFIGS = [
     {},  # block size 16
     {"max_num_batched_tokens": 8},
-    # 80 blocks of 16 = 1,280 slots: the longest request alone needs 70 of them. (With 90, the
-    # prompts admitted together share their chat template's blocks and nothing is preempted.)
-    {"num_kv_blocks": 80},
+    # 32 blocks of 16 = 512 slots: the longest of the 11 prompts alone needs 28 of them, all 11
+    # together 71. (The prompts admitted together share their chat template's blocks: a pool that
+    # holds nearly all of them preempts nothing.)
+    {"num_kv_blocks": 32},
 ]
 
 
 @pytest.mark.parametrize(
     "engine_args", CONFIGS, ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default"
 )
-def test_parity_prompts_twice_with_the_cache_equal_once_without(prompt_ids, expected, engine_args):
-    keep = range(len(prompt_ids))
-    if engine_args.get("max_num_batched_tokens") == 8:
-        # The prompt of over 1,000 tokens alone is some 130 steps of 8 a round; the other 11 (up
-        # to over 400 tokens, many blocks each) take the same chunked path through the cache.
-        longest = max(keep, key=lambda i: len(prompt_ids[i]))
-        keep = [i for i in keep if i != longest]
-    prompt_ids = [prompt_ids[i] for i in keep]
-    expected = [expected[i] for i in keep]
-    llm = make_llm(**engine_args)
-    engine = llm.llm_engine
-    assert generate(llm, prompt_ids) == expected
-    hits_first = engine.kv_stats().num_prefix_cache_hits
-    computed_first = engine.scheduler.num_prompt_tokens_computed
-    assert generate(llm, prompt_ids) == expected
-    stats = engine.kv_stats()
-    block_size = engine.config.block_size
-    if "num_kv_blocks" not in engine_args or engine_args["num_kv_blocks"] >= 200:
-        # Nothing was evicted: round 2 hits every prompt up to the block of its last token.
-        cap = sum((len(p) - 1) // block_size * block_size for p in prompt_ids)
-        assert stats.num_prefix_cache_hits - hits_first == cap
-    assert stats.num_prefix_cache_hits > hits_first
-    assert engine.scheduler.num_prompt_tokens_computed - computed_first < computed_first
-    if engine_args.get("num_kv_blocks") == 80:
-        assert engine.scheduler.num_preemptions > 0
-    assert stats.num_used_blocks == 0
+def test_parity_prompts_twice_with_the_cache_equal_once_without(
+    cached_llm, prompt_ids, expected, engine_args
+):
+    if engine_args:
+        # As in the parity tests, only the defaults run the prompt of over 1,000 tokens (131 steps
+        # of 8 a round); the other 11 (up to 423 tokens, many blocks each) take the same paths.
+        prompt_ids, expected = without_longest(prompt_ids), without_longest(expected)
+    if "num_kv_blocks" in engine_args:
+        context = cold_at_budget(make_llm(**engine_args))
+    else:
+        context = cold_at_budget(cached_llm, engine_args.get("max_num_batched_tokens"))
+    with context as llm:
+        engine = llm.llm_engine
+        hits_before = engine.kv_stats().num_prefix_cache_hits
+        computed_before = engine.scheduler.num_prompt_tokens_computed
+        assert generate(llm, prompt_ids) == expected
+        hits_first = engine.kv_stats().num_prefix_cache_hits
+        computed_first = engine.scheduler.num_prompt_tokens_computed - computed_before
+        assert generate(llm, prompt_ids) == expected
+        stats = engine.kv_stats()
+        block_size = engine.config.block_size
+        if "num_kv_blocks" not in engine_args:
+            # Nothing was evicted: round 2 hits every prompt up to the block of its last token.
+            cap = sum((len(p) - 1) // block_size * block_size for p in prompt_ids)
+            assert stats.num_prefix_cache_hits - hits_first == cap
+            # Round 1 started cold: it computed every prompt token but what prompts admitted in
+            # the same step shared.
+            assert hits_first - hits_before < cap
+        assert stats.num_prefix_cache_hits > hits_first
+        computed_second = engine.scheduler.num_prompt_tokens_computed - computed_before - computed_first
+        assert computed_second < computed_first
+        if "num_kv_blocks" in engine_args:
+            assert engine.scheduler.num_preemptions > 0
+        assert stats.num_used_blocks == 0
 
 
-def test_requests_join_mid_decode_with_the_cache(prompt_ids, expected):
-    on = make_llm(max_num_batched_tokens=256).llm_engine
-    assert run_with_staggered_arrivals(on, prompt_ids, GREEDY, steps_between=2) == expected
-    # Round 2 joins the same way, every prompt cached.
-    assert run_with_staggered_arrivals(on, prompt_ids, GREEDY, steps_between=2) == expected
-    assert on.kv_stats().num_prefix_cache_hits > 0
+def test_requests_join_mid_decode_with_the_cache(cached_llm, prompt_ids, expected):
+    prompt_ids, expected = without_longest(prompt_ids), without_longest(expected)
+    with cold_at_budget(cached_llm, 256) as llm:
+        on = llm.llm_engine
+        assert run_with_staggered_arrivals(on, prompt_ids, GREEDY, steps_between=2) == expected
+        hits_first = on.kv_stats().num_prefix_cache_hits
+        # Round 2 joins the same way, every prompt cached.
+        assert run_with_staggered_arrivals(on, prompt_ids, GREEDY, steps_between=2) == expected
+        assert on.kv_stats().num_prefix_cache_hits > hits_first
 
 
 @pytest.fixture(scope="module")
@@ -131,22 +191,24 @@ def boundary_prompts(base: list[int], block_size: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def uncached_boundary_tokens(base_ids):
+def uncached_boundary_tokens(uncached_llm, base_ids):
     """Greedy tokens of every boundary prompt set, cache off, at block size 16: without the cache
     the tokens do not depend on the block size (test_parity_smollm2's block sizes 1 and 32 give
-    transformers' tokens), so one uncached engine serves block sizes 1, 16 and 32 (was one each)."""
-    llm = make_llm(enable_prefix_caching=False, num_kv_blocks=400)
-    return {b: generate(llm, boundary_prompts(base_ids, b)) for b in (1, 16, 32)}
+    transformers' tokens), so one uncached engine serves block sizes 1, 16 and 32."""
+    return {b: generate(uncached_llm, boundary_prompts(base_ids, b)) for b in (1, 16, 32)}
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_prefixes_shared_up_to_a_block_boundary_one_past_one_short_and_whole(
-    base_ids, uncached_boundary_tokens, block_size
+    cached_llm, base_ids, uncached_boundary_tokens, block_size
 ):
     prompts = boundary_prompts(base_ids, block_size)
-    args = {"block_size": block_size, "num_kv_blocks": 6400 // block_size}
     expected = uncached_boundary_tokens[block_size]
-    llm = make_llm(**args)
+    if block_size == 16:  # the module's cached engine: 6400 // 16 blocks
+        llm = cached_llm
+    else:
+        llm = make_llm(block_size=block_size, num_kv_blocks=6400 // block_size)
+    empty_prefix_cache(llm)
     engine = llm.llm_engine
     got, hits = [], []
     for prompt in prompts:  # one at a time: each finds what the ones before left in the cache
@@ -180,11 +242,13 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_seeded_sampling_is_the_same_cached_or_not(base_ids):
+def test_seeded_sampling_is_the_same_cached_or_not(uncached_llm, cached_llm, base_ids):
     prompt = base_ids[:150]
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=7)
-    expected = generate(make_llm(enable_prefix_caching=False), [prompt], sampled)
-    llm = make_llm()
-    assert generate(llm, [prompt], sampled) == expected
-    assert generate(llm, [prompt], sampled) == expected
-    assert llm.llm_engine.kv_stats().num_prefix_cache_hits == (len(prompt) - 1) // 16 * 16
+    expected = generate(uncached_llm, [prompt], sampled)
+    with cold_at_budget(cached_llm) as llm:
+        before = llm.llm_engine.kv_stats().num_prefix_cache_hits
+        assert generate(llm, [prompt], sampled) == expected
+        assert generate(llm, [prompt], sampled) == expected
+        hits = llm.llm_engine.kv_stats().num_prefix_cache_hits - before
+    assert hits == (len(prompt) - 1) // 16 * 16
