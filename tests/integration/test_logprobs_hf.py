@@ -1,6 +1,8 @@
 """Logprobs and prompt logprobs of the real SmolLM2-135M-Instruct in float32 against a transformers
 forward pass on the same ids (within 1e-3): all at once, every prompt in chunks of 8 tokens, and
-with preemptions (prompt logprobs are reported once, not again after the recompute)."""
+with preemptions (prompt logprobs are reported once, not again after the recompute). The first two
+run on one engine (its token budget set per test; the prefix cache off, so that the chunked run
+computes every prompt token again), the preemptions on a pool of their own."""
 
 from __future__ import annotations
 
@@ -71,18 +73,27 @@ def check(entry, token: int, ref: torch.Tensor) -> None:
         assert top[chosen.rank - 1][1] == token
 
 
+@pytest.fixture(scope="module")
+def roomy_llm() -> LLM:
+    """400 blocks, the default budget of 2048 (a test may change it and put it back)."""
+    return LLM("smollm2", dtype="float32", block_size=BLOCK, num_kv_blocks=400, enable_prefix_caching=False)
+
+
 @pytest.mark.parametrize(
     "config",
     ["all_at_once", "chunked_8", "preemption"],
 )
-def test_logprobs_match_transformers(hf_model, prompt_ids, config) -> None:
-    engine_args: dict = {"dtype": "float32", "block_size": BLOCK, "num_kv_blocks": 400}
-    if config == "chunked_8":
-        engine_args["max_num_batched_tokens"] = 8
+def test_logprobs_match_transformers(roomy_llm, hf_model, prompt_ids, config) -> None:
     if config == "preemption":
         # Room for every prompt and one block more: decodes crossing a block boundary preempt.
-        engine_args["num_kv_blocks"] = sum(cdiv(len(p), BLOCK) for p in prompt_ids) + 1
-    llm = LLM("smollm2", **engine_args)
+        num_blocks = sum(cdiv(len(p), BLOCK) for p in prompt_ids) + 1
+        llm = LLM("smollm2", dtype="float32", block_size=BLOCK, num_kv_blocks=num_blocks)
+    else:
+        llm = roomy_llm
+    scheduler = llm.llm_engine.scheduler
+    budget = scheduler.max_num_batched_tokens
+    if config == "chunked_8":
+        scheduler.max_num_batched_tokens = 8
     params = [
         SamplingParams(
             max_tokens=MAX_TOKENS,
@@ -94,7 +105,13 @@ def test_logprobs_match_transformers(hf_model, prompt_ids, config) -> None:
         )
         for i in range(len(prompt_ids))
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+    computed_before = scheduler.num_prompt_tokens_computed
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+    finally:
+        scheduler.max_num_batched_tokens = budget
+    if config != "preemption":  # every prompt token computed once: nothing came from a cache
+        assert scheduler.num_prompt_tokens_computed - computed_before == sum(len(p) for p in prompt_ids)
     if config == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompt_ids, outs, strict=True):
