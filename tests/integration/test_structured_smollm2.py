@@ -1,12 +1,13 @@
 """Structured output on the real SmolLM2-135M-Instruct, through LLMEngine.
 
-Two engines share one loaded checkpoint: the default one (bf16 on this machine, whole prompts,
-plenty of KV blocks) and a tight one (fp32, 24-token budget so prompts are chunked, 24 blocks of
-8 so requests are preempted). 20 real-world JSON Schemas (tests/data/schemas/test, from
-JSONSchemaBench: see tests/data/schemas/README.md) run greedy, sampled with n=3, and on the tight
-engine; every output that ends with `stop` must parse and validate with `jsonschema`, every one cut
-at `length` must be a prefix the grammar accepts, and the one schema the backend refuses must fail
-alone with a message naming why.
+Two engines share one loaded checkpoint: the default one (dtype auto: float32 on a CPU without
+bf16 hardware; whole prompts, plenty of KV blocks) and a tight one (fp32, 24-token budget so
+prompts are chunked, 24 blocks of 8 so requests are preempted). 20 real-world JSON Schemas
+(tests/data/schemas/test, from JSONSchemaBench: see tests/data/schemas/README.md) run greedy,
+sampled with n=3, and on the tight engine (6 of them, in one run that the fast-forward test also
+compares with masked decoding); every output that ends with `stop` must parse and validate with
+`jsonschema`, every one cut at `length` must be a prefix the grammar accepts, and the one schema
+the backend refuses must fail alone with a message naming why.
 """
 
 from __future__ import annotations
@@ -133,30 +134,66 @@ def test_schemas_sampled_n3(engine):
     assert counts["stop"] >= 2, counts
 
 
-def test_schemas_chunked_and_preempted(tight_engine):
-    before = tight_engine.scheduler.num_preemptions
-    counts = run_schemas(tight_engine, "tight", 6, 40, temperature=0.0)
-    assert tight_engine.scheduler.num_preemptions > before, "the tight engine never preempted"
+TIGHT_SCHEMAS, TIGHT_MAX_TOKENS = 6, 40
+
+
+@pytest.fixture(scope="module")
+def tight_greedy_run(tight_engine) -> dict:
+    """The first 6 schemas (the refused one first) greedy on the tight engine, fast-forward on (the
+    default): its outputs and what the run preempted and forced. The chunked-and-preempted test
+    checks them, and the fast-forward test compares them with masked decoding (one run for both:
+    the first ran these 6 at 40 tokens, the second 5 of them at 32, each on its own)."""
+    engine = tight_engine
+    assert engine.structured.enable_fast_forward
+    preemptions, forced = engine.scheduler.num_preemptions, engine.structured.num_fast_forward_tokens
+    cases, outputs = {}, {}
+    for name, schema in list(load_schemas().items())[:TIGHT_SCHEMAS]:
+        params = SamplingParams(
+            max_tokens=TIGHT_MAX_TOKENS, temperature=0.0, structured_outputs={"json": schema}
+        )
+        cases[f"tight-{name}"] = (name, schema, params)
+        engine.add_request(f"tight-{name}", prompt_for(engine, name, schema), params)
+    outputs = run_to_completion(engine)
+    return {
+        "cases": cases,
+        "outputs": outputs,
+        "num_preemptions": engine.scheduler.num_preemptions - preemptions,
+        "num_forced": engine.structured.num_fast_forward_tokens - forced,
+    }
+
+
+def test_schemas_chunked_and_preempted(tight_engine, tight_greedy_run):
+    counts = check_json_outputs(tight_engine, tight_greedy_run["cases"], tight_greedy_run["outputs"])
+    assert tight_greedy_run["num_preemptions"] > 0, "the tight engine never preempted"
+    assert counts["refused"] == 1
     assert counts["stop"] >= 1, counts
 
 
-def test_fast_forward_gives_the_tokens_of_masked_decoding(tight_engine):
+def test_fast_forward_gives_the_tokens_of_masked_decoding(tight_engine, tight_greedy_run):
     """fp32, greedy: with fast-forward (forced tokens appended, computed as prefill) and without
     (each forced token sampled from a one-token mask) the outputs are the same tokens."""
-    schemas = dict(list(load_schemas().items())[1:6])
-    runs = {}
-    for enabled in (True, False):
-        tight_engine.structured.enable_fast_forward = enabled
+    assert tight_greedy_run["num_forced"] > 0
+    fast_forwarded = {
+        name: tight_greedy_run["outputs"][request_id].outputs[0].token_ids
+        for request_id, (name, _, _) in tight_greedy_run["cases"].items()
+        if name not in REFUSED
+    }
+    tight_engine.structured.enable_fast_forward = False
+    try:
         before = tight_engine.structured.num_fast_forward_tokens
-        for name, schema in schemas.items():
-            sp = SamplingParams(max_tokens=32, temperature=0.0, structured_outputs={"json": schema})
-            tight_engine.add_request(f"ff{enabled}-{name}", prompt_for(tight_engine, name, schema), sp)
+        for name, schema in load_schemas().items():
+            if name in fast_forwarded:
+                sp = SamplingParams(
+                    max_tokens=TIGHT_MAX_TOKENS, temperature=0.0, structured_outputs={"json": schema}
+                )
+                tight_engine.add_request(f"masked-{name}", prompt_for(tight_engine, name, schema), sp)
         outputs = run_to_completion(tight_engine)
-        runs[enabled] = {k.split("-", 1)[1]: v.outputs[0].token_ids for k, v in outputs.items()}
-        forced = tight_engine.structured.num_fast_forward_tokens - before
-        assert (forced > 0) == enabled, forced
-    tight_engine.structured.enable_fast_forward = True
-    assert runs[True] == runs[False]
+        assert tight_engine.structured.num_fast_forward_tokens == before
+    finally:
+        tight_engine.structured.enable_fast_forward = True
+    masked = {k.split("-", 1)[1]: v.outputs[0].token_ids for k, v in outputs.items()}
+    assert len(fast_forwarded) == TIGHT_SCHEMAS - 1
+    assert masked == fast_forwarded
 
 
 def balanced(text: str) -> bool:
