@@ -452,6 +452,10 @@ class LLMEngine:
         """The LoRA adapters loaded now (none without enable_lora), for the worker's report."""
         return self.lora.loaded_names() if self.lora is not None else []
 
+    def adapter_loads(self) -> tuple[int, int]:
+        """LoRA adapters loaded so far: (from their files into host memory, into device slots)."""
+        return (self.lora.num_host_loads, self.lora.num_slot_loads) if self.lora is not None else (0, 0)
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()

@@ -15,6 +15,10 @@ the device's `max_loras` slots as the scheduler admits their requests.
   on the slot (`acquire`, which says when the slot must be filled: the plan carries the copy,
   which the runner makes before the step), and finishing or preemption drops it (`release`). An
   unused slot keeps its adapter until another needs the slot (least recently used first).
+- Counts. `num_host_loads`: adapters read from their files into host memory (each one a miss of
+  the LRU: a first use, or a use after eviction); failed loads are not counted. `num_slot_loads`:
+  slots filled with an adapter's tensors (a copy from host memory, no file read). A pool's
+  adapter affinity shows in the first: the files are the slow part.
 
 Only the engine's thread calls this object; the loader thread only runs `load_adapter`.
 """
@@ -75,6 +79,8 @@ class LoRAManager:
         self._slots = [_Slot() for _ in range(max_loras)]
         self._slot_of: dict[int, int] = {}
         self._clock = 0
+        self.num_host_loads = 0
+        self.num_slot_loads = 0
 
     def loaded_names(self) -> list[str]:
         """The names of the adapters in host memory, least recently used first."""
@@ -158,6 +164,7 @@ class LoRAManager:
                 ready.extend((w, error) for w in load.waiting)
                 continue
             self._host[lora_int_id] = adapter
+            self.num_host_loads += 1
             logger.info(
                 "LoRA adapter %r (id %d) loaded: rank %d, %.1f MiB",
                 adapter.request.lora_name, lora_int_id, adapter.rank, adapter.num_bytes / 2**20,
@@ -233,6 +240,7 @@ class LoRAManager:
             slot.last_used = self._clock
             if slot.is_stale:
                 slot.is_stale = False
+                self.num_slot_loads += 1
                 return index, self._host[lora_int_id]
             return index, None
         free = [i for i, slot in enumerate(self._slots) if slot.num_refs == 0]
@@ -244,6 +252,7 @@ class LoRAManager:
             del self._slot_of[slot.lora_int_id]
         slot.lora_int_id, slot.num_refs, slot.last_used, slot.is_stale = lora_int_id, 1, self._clock, False
         self._slot_of[lora_int_id] = index
+        self.num_slot_loads += 1
         return index, self._host[lora_int_id]
 
     def release(self, lora_int_id: int) -> None:

@@ -273,6 +273,11 @@ class FakeEngine:
         """The adapters of the requests added so far, as an engine that kept them all loaded."""
         return sorted({r.lora_name for r in self.adapters.values() if r is not None})
 
+    def adapter_loads(self) -> tuple[int, int]:
+        """Each adapter loaded once, into host memory and a slot, as loaded_adapter_names says."""
+        num_loaded = len(self.loaded_adapter_names())
+        return num_loaded, num_loaded
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._running)
 

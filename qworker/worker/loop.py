@@ -384,6 +384,7 @@ class Worker:
         self.stats.num_broker_outages = self.outage.num_outages
         self.stats.num_deltas_dropped = self.outbox.num_deltas_dropped
         self._report.fill(self.stats, admission, self.engine, self.metrics.registry)
+        self.metrics.observe_adapter_loads(self.stats.num_adapter_loads, self.stats.num_adapter_slot_loads)
         self.broker.make("writing worker stats", lambda: self.sink.write_worker_stats(self.name, self.stats))
         self.metrics.set_admission_gauges(self.engine.kv_stats(), admission)
 

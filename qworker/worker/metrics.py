@@ -148,6 +148,17 @@ class WorkerMetrics:
             "qworker_preemptions", "Requests preempted (blocks freed, recomputed later)", registry=r
         )
         self.engine_steps = Counter("qworker_engine_steps", "Engine steps run", registry=r)
+        # LoRA adapters (docs/lora.md): what a pool's adapter affinity saves shows in the first.
+        self.lora_adapter_loads = Counter(
+            "qworker_lora_adapter_loads",
+            "LoRA adapters read from their files into host memory (misses of max_cpu_loras)",
+            registry=r,
+        )
+        self.lora_slot_loads = Counter(
+            "qworker_lora_slot_loads",
+            "LoRA adapters copied from host memory into a device slot (misses of max_loras)",
+            registry=r,
+        )
         # Resume from tokens (docs/queues.md): redelivered jobs by what their checkpoint allowed,
         # and the tokens they resumed from, prefilled again here rather than generated (counted
         # apart from qworker_generation_tokens, which counts each token once, where generated).
@@ -194,6 +205,7 @@ class WorkerMetrics:
         # before the first failure.
         for status in JobStatus:
             self.jobs.labels(status=status.value)
+        self._seen_adapter_loads = (0, 0)
 
     def set_hardware(self, hardware: HardwareInfo) -> None:
         self.hardware_info.info(
@@ -305,6 +317,12 @@ class WorkerMetrics:
             return
         self.resumes.labels(outcome="resumed").inc()
         self.resumed_tokens.inc(num_tokens)
+
+    def observe_adapter_loads(self, num_host_loads: int, num_slot_loads: int) -> None:
+        """The engine's load counts so far (it keeps the totals): add what is new since the last call."""
+        self.lora_adapter_loads.inc(max(0, num_host_loads - self._seen_adapter_loads[0]))
+        self.lora_slot_loads.inc(max(0, num_slot_loads - self._seen_adapter_loads[1]))
+        self._seen_adapter_loads = (num_host_loads, num_slot_loads)
 
     def observe_step(self) -> None:
         self.engine_steps.inc()

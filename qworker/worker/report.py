@@ -1,7 +1,8 @@
 """The parts of a worker's stats report that the dashboard shows (issue 42), filled in at each
 stats write: when it was written and how often it is, who wrote it (host, pid, model, quantization,
-loaded adapters), its running and waiting requests, and its output tokens per second over the last
-minute. Additive: readers of the older fields (the exporter's parse_worker_report) see no change.
+loaded adapters and how many loads they took), its running and waiting requests, and its output
+tokens per second over the last minute. Additive: readers of the older fields (the exporter's
+parse_worker_report) see no change.
 
 A reader tells a live worker from one that stopped reporting by `reported_at` and
 `report_interval_s` (two intervals without a write: stopped), long before its key expires.
@@ -64,6 +65,7 @@ class ReportFiller:
         # The engine's own: a compressed-tensors W8A8 checkpoint runs int8 without the option.
         stats.quantization = getattr(engine, "quantization", None) or getattr(config, "quantization", None)
         stats.adapters = engine.loaded_adapter_names()
+        stats.num_adapter_loads, stats.num_adapter_slot_loads = engine.adapter_loads()
         stats.num_waiting = admission.num_jobs_not_started
         stats.num_running = admission.num_jobs_held - admission.num_jobs_not_started
         stats.num_generated_tokens = tokens

@@ -46,6 +46,10 @@ class WorkerStats:
     model: str | None = None
     quantization: str | None = None
     adapters: list[str] | None = None
+    # LoRA adapters loaded since start: read from their files into host memory (each a miss of
+    # max_cpu_loras), and copied into one of max_loras device slots.
+    num_adapter_loads: int = 0
+    num_adapter_slot_loads: int = 0
     num_running: int | None = None
     num_waiting: int | None = None
     num_generated_tokens: int = 0
