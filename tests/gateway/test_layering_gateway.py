@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_layering import ENGINE_LIBRARIES, imported_after
+from tests.unit.test_layering import ENGINE_LIBRARIES, imported_in_turn
 
 
 @pytest.mark.timeout(150)
@@ -19,5 +19,5 @@ def test_gateway_imports_no_torch():
         "qworker.gateway.tokenizer",
         "qworker.gateway.routes.tokenize",
     ]
-    loaded = imported_after(modules, ENGINE_LIBRARIES)
+    [loaded] = imported_in_turn([(modules, ENGINE_LIBRARIES)])
     assert loaded == [], f"the gateway pulled in {loaded}: its image has no torch"

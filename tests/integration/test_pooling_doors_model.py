@@ -1,8 +1,8 @@
 """The pooling doors on a real model: a `qworker worker` process (tiny random Llama with the
 SmolLM2 tokenizer, fp32, last-token pooling) on the tests' Redis behind an in-process gateway.
 The openai SDK's embeddings (a string, a list, token ids, dimensions, both encodings) and a
-40-row embeddings batch file (one row of each length from 1 to 40 words, so that the steps pack
-inputs of every length up to three blocks) through `qworker batch` (local) and the Batches API
+200-row embeddings batch file (every length from 1 to 40 words five times, so that the steps
+pack inputs of every length up to three blocks) through `qworker batch` (local) and the Batches API
 give the vectors `LLM.embed` gives in this process, within 1e-5 (fp32; the steps pack other
 inputs)."""
 
@@ -39,8 +39,9 @@ pytestmark = pytest.mark.timeout(180)
 
 KEY = "sk-pool-model-" + uuid.uuid4().hex
 TOLERANCE = 1e-5
-# 7 and 40 are coprime: the 40 rows take every word count from 1 to 40 once, in a mixed order.
-NUM_TEXTS = 40
+# 7 and 40 are coprime: each 40 rows take every word count from 1 to 40 once, in a mixed order.
+# 200 rows: the issue's batch-file size.
+NUM_TEXTS = 200
 TEXTS = [f"document {i}: " + " ".join(["word"] * (1 + (i * 7) % 40)) for i in range(NUM_TEXTS)]
 
 

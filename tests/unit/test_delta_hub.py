@@ -40,13 +40,14 @@ def test_many_readers_on_few_connections_and_no_thread(sink, monkeypatch):
     monkeypatch.setattr(delta_hub, "KEYS_PER_READER", 16)
     num_jobs, num_tokens = 300, 12
 
-    async def run() -> tuple[dict[str, str], int, int]:
+    async def run() -> tuple[dict[str, str], set[threading.Thread], int]:
         hub = open_delta_hub(sink)
         assert hub is not None
-        threads_before = threading.active_count()
+        # Threads by identity: other tests' background threads may end meanwhile.
+        threads_before = set(threading.enumerate())
         readers = {f"job-{j}": asyncio.create_task(collect(hub, f"job-{j}")) for j in range(num_jobs)}
         await asyncio.sleep(0.05)
-        peak_threads = threading.active_count()
+        new_threads = set(threading.enumerate()) - threads_before
         loop = asyncio.get_running_loop()
 
         def write() -> None:  # a worker's steps: one pipeline of deltas per step, then results
@@ -59,12 +60,12 @@ def test_many_readers_on_few_connections_and_no_thread(sink, monkeypatch):
         texts = {j: "".join(d.text for d in await task) for j, task in readers.items()}
         num_readers = len(hub.readers)
         await hub.aclose()
-        return texts, peak_threads - threads_before, num_readers
+        return texts, new_threads, num_readers
 
-    texts, added_threads, num_readers = asyncio.run(run())
+    texts, new_threads, num_readers = asyncio.run(run())
     wrong = {j: text for j, text in texts.items() if text != "".join(f"{j}:{t} " for t in range(num_tokens))}
     assert not wrong, (len(wrong), list(wrong.items())[:3])
-    assert added_threads == 0
+    assert not new_threads, f"the hub started threads: {new_threads}"
     assert 1 < num_readers <= delta_hub.MAX_READERS  # 300 keys over at most 16 connections
 
 
