@@ -1,10 +1,11 @@
 """Batch invariance on the real SmolLM2 (a tiny model never reaches the matmul library's row
-blocking), bf16 and fp32 on the CPU: with `batch_invariant=True` every prompt's greedy tokens and
-top-5 logprobs are the same bits alone, all together (the default token budget, 2048), in random
-groups with other (sampled) traffic joining at random steps, with token budgets of 8 and 64, under
-preemption, and twice with prefix caching (the second run hits the cache). With the mode off, bf16
-differs somewhere (the test would fail there). The full matrix (64 prompts, more groups, longer
-outputs, budget 2048 again) is scripts/invariance_matrix.py.
+blocking), bf16 (10 prompts of 3-230 tokens) and fp32 (7 of them) on the CPU: with
+`batch_invariant=True` every prompt's greedy tokens and top-5 logprobs are the same bits alone,
+all together (the default token budget, 2048), in random groups with other (sampled) traffic
+joining at random steps, with token budgets of 8 and 64, under preemption, and twice with prefix
+caching (the second run hits the cache). With the mode off, bf16 differs somewhere (the test
+would fail there). The full matrix (64 prompts, more groups, longer outputs, budget 2048 again) is
+scripts/invariance_matrix.py.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def run_matrix(
     # from the cache); the other prompts of a run keep their "alone" results.
     set_prefix_caching(llm, True)
     first, second = list(runs["alone"]), list(runs["alone"])
-    for group in cache_groups(prompts, NUM_KV_BLOCKS * engine.config.block_size // 2):
+    for group in cache_groups(prompts, engine.num_kv_blocks * engine.config.block_size // 2):
         hits = engine.kv_stats().num_prefix_cache_hits
         for i, result in zip(group, run_together(llm, [prompts[i] for i in group]), strict=True):
             first[i] = result
@@ -170,9 +171,20 @@ def cache_groups(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
 NUM_KV_BLOCKS = 20
 
 
+# fp32 on fewer prompts (330 tokens, against 700) that still cross the block (16) and chunk (8, 64)
+# boundaries (the bf16 set stays whole: the mode-off test below needs its long prompts to differ),
+# in a pool of 10 blocks: the longest (150 + 6 tokens) fits alone; together and at budget 64 they
+# preempt (measured: 1 and 1 preemptions).
+FP32_PROMPT_LENGTHS = (3, 15, 16, 17, 64, 65, 150)
+FP32_NUM_KV_BLOCKS = 10
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_schedule_gives_the_same_bits(prompts: list[list[int]], dtype: str) -> None:
-    llm = LLM("smollm2", dtype=dtype, batch_invariant=True, num_kv_blocks=NUM_KV_BLOCKS)
+    num_kv_blocks = NUM_KV_BLOCKS
+    if dtype == "float32":
+        prompts, num_kv_blocks = make_prompts(FP32_PROMPT_LENGTHS), FP32_NUM_KV_BLOCKS
+    llm = LLM("smollm2", dtype=dtype, batch_invariant=True, num_kv_blocks=num_kv_blocks)
     # The engine's budget is the default 2048: "together" is the budget-2048 run.
     assert llm.llm_engine.scheduler.max_num_batched_tokens == 2048
     runs = run_matrix(llm, prompts, seed=1, budgets=(8, 64))
