@@ -47,7 +47,9 @@ from tests.integration.conftest import moto_server  # noqa: F401 - a fixture
 
 KEY_A = "sk-batch-a-0123456789"
 KEY_B = "sk-batch-b-0123456789"
-ROWS = mixed_rows(200)
+# 60 rows: each kind (chat, text and token-id completions) with n=2 and with logprobs, and rows 24
+# and 59 with both (every 3rd, 7th and 5th row of mixed_rows).
+ROWS = mixed_rows(60)
 MAX_FILE_BYTES = 256 * 1024
 MAX_FILE_ROWS = 2000
 
@@ -307,7 +309,7 @@ def differs_by_rounding(a: Any, b: Any) -> bool:
 
 @pytest.mark.timeout(180)
 def test_openai_client_batches_equal_local_qworker_batch_row_by_row(gateway, worker, local_lines):
-    """200 rows (chat and completions, n=2 and logprobs among them) as two batches, one per
+    """60 rows (chat and completions, n=2 and logprobs among them) as two batches, one per
     endpoint, as OpenAI requires; every output line equals `qworker batch`'s local line for the row."""
     client = sdk(gateway)
     chat_rows = [row for row in ROWS if row["url"] == CHAT_URL]
@@ -350,7 +352,7 @@ def test_openai_client_batches_equal_local_qworker_batch_row_by_row(gateway, wor
 @pytest.mark.timeout(120)
 def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
     client = sdk(gateway)
-    # Eight short rows, then 52 long ones (600 tokens, four at a time: some 7,800 steps): the
+    # Eight short rows, then 52 long ones (300 tokens, four at a time: some 3,900 steps): the
     # batch cannot end before the cancel lands, however slow the gateway is to send it.
     rows = [
         batch_row(
@@ -359,7 +361,7 @@ def test_cancel_mid_run_keeps_the_finished_rows(gateway, worker):
             {
                 "model": MODEL_NAME,
                 "prompt": f"Tale {i}",
-                "max_tokens": 60 if i < 8 else 600,
+                "max_tokens": 60 if i < 8 else 300,
                 "temperature": 0,
                 "ignore_eos": True,
             },
@@ -397,10 +399,11 @@ def run_killing_the_driver(
     custom_id, every row enqueued once and none run to completion twice, and its parts are gone.
     Returns the names of the replicas that drove it."""
     client = sdk(replicas[0])
-    # Rows long enough (96-160 tokens, four at a time: some 1,500 steps) that the batch outlasts
-    # the first stored part and the kill however fast the machine: with 24-48 tokens a quiet
-    # machine finished all of them before the first part (then 2 s old) was stored.
-    rows = [row for row in mixed_rows(90, max_tokens=(96, 160), seed=seed) if row["url"] == COMPLETIONS_URL]
+    # 24 rows long enough (96-160 tokens, four at a time: some 750 steps, six rounds) that the
+    # batch outlasts the first stored part and the kill (after the first round) however fast the
+    # machine: with 24-48 tokens a quiet machine finished all of them before the first part (then
+    # 2 s old) was stored.
+    rows = [row for row in mixed_rows(36, max_tokens=(96, 160), seed=seed) if row["url"] == COMPLETIONS_URL]
     for row in rows:
         row["body"]["ignore_eos"] = True
     num_before = entries_added(pool_url)
