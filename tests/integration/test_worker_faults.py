@@ -92,10 +92,11 @@ def test_sigterm_drains_releases_and_a_peer_finishes(url, tiny_dir, tmp_path):
             for _ in range(3)
         ]
     )
-    # Long jobs that cannot finish within the grace period; more than the 4 it must hold.
+    # Long jobs that cannot finish within the grace period (600 steps in the 2.5 s it leaves
+    # after its margin would take under 4.2 ms a step); more than the 4 it must hold.
     long_ids = client.submit_many(
         [
-            {"prompt_token_ids": [30 + i, 31], "params": {"max_tokens": 1000, "ignore_eos": True}}
+            {"prompt_token_ids": [30 + i, 31], "params": {"max_tokens": 600, "ignore_eos": True}}
             for i in range(6)
         ]
     )
