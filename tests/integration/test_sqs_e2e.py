@@ -38,7 +38,7 @@ def offline_llm(engine: LLMEngine) -> LLM:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_fifty_sqs_jobs_with_s3_results_match_llm_generate(sqs_s3):
+def test_sqs_jobs_with_s3_results_match_llm_generate(sqs_s3):
     """20 jobs: i % 5 picks the question and i % 4 the length, so each pairing runs once."""
     env = sqs_s3(VisibilityTimeout="30")
     # float32: exact comparison, both sides with the same arithmetic. Short outputs keep it cheap.
