@@ -3,11 +3,13 @@ the cache off.
 
 For configurations of the greedy parity tests (defaults, a token budget of 8, a pool small enough
 to preempt, requests joining mid-decode) an engine with the cache on runs the parity prompts
-twice (all 12 at the defaults, the 11 without the one of over 1,000 tokens elsewhere, as in the
-parity tests): the first round from an empty cache, the second finding every prompt cached up to
-its last block. Both must give the tokens of one uncached run. Then prompts built to share a
-prefix with an earlier one exactly up to a block boundary, one token past it, one token short of
-it, and in full, at block sizes 1, 16 and 32; and a seeded sampled request, cached or not.
+twice: the first round from an empty cache, the second finding every prompt cached up to its last
+block. Both must give the tokens of one uncached run. The defaults run the 11 prompts up to 423
+tokens (27 blocks); the other configurations the parity tests' few that cross their boundary
+(SHORT_SET, JOIN_SET). The prompt of over 1,000 tokens is left to the parity tests: its 65
+blocks are cached and hit as the 423-token prompt's 27 are. Then prompts built to share a prefix
+with an earlier one exactly up to a block boundary, one token past it, one token short of it, and
+in full, at block sizes 1, 16 and 32; and a seeded sampled request, cached or not.
 
 Two module engines serve most tests: one with the cache off (every reference) and one with it on
 at the default block size and pool; a test on the cached one starts from an emptied cache, at its
@@ -23,7 +25,16 @@ import pytest
 
 from qworker import LLM, SamplingParams
 from tests.conftest import run_with_staggered_arrivals
-from tests.integration.test_parity_smollm2 import CHATS, LONGEST, MAX_TOKENS, PARAGRAPH, RAW_PROMPTS
+from tests.integration.test_parity_smollm2 import (
+    CHATS,
+    JOIN_SET,
+    LONGEST,
+    MAX_TOKENS,
+    PARAGRAPH,
+    RAW_PROMPTS,
+    SHORT_SET,
+    pick,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,12 +52,17 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> list[list[int]]:
-    """The greedy parity tests' 12 prompts, raw and chat-formatted, from 1 to over 1,000 tokens."""
+    """The greedy parity tests' 12 prompts, raw and chat-formatted, from 1 to over 1,000 tokens;
+    only the one of over 1,000 (index LONGEST) is never run here."""
     raw = [tokenizer.encode(p, add_special_tokens=False) for p in RAW_PROMPTS]
     chats = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in CHATS]
     ids = raw + [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
     assert len(ids[LONGEST]) > 1000
     return ids
+
+
+# Every prompt but the one of over 1,000 tokens: 1 to 423 tokens, raw and chat.
+ALL_BUT_LONGEST = tuple(i for i in range(len(RAW_PROMPTS) + len(CHATS)) if i != LONGEST)
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -96,12 +112,10 @@ def cold_at_budget(llm: LLM, budget: int | None = None) -> Iterator[LLM]:
 @pytest.fixture(scope="module")
 def expected(uncached_llm, prompt_ids) -> list[list[int]]:
     # One uncached run serves every configuration: the greedy parity tests show that all of them
-    # give transformers' tokens, so they give the same tokens as each other.
-    return generate(uncached_llm, prompt_ids)
-
-
-def without_longest(items: list) -> list:
-    return [item for i, item in enumerate(items) if i != LONGEST]
+    # give transformers' tokens, so they give the same tokens as each other. (The longest prompt,
+    # never run here, gets an empty list.)
+    got = iter(generate(uncached_llm, pick(prompt_ids, ALL_BUT_LONGEST)))
+    return [[] if i == LONGEST else next(got) for i in range(len(prompt_ids))]
 
 
 # Block sizes 1 and 32 are not repeated here: the boundary test below runs both (and 16) on this
@@ -110,10 +124,10 @@ def without_longest(items: list) -> list:
 CONFIGS = [
     {},  # block size 16
     {"max_num_batched_tokens": 8},
-    # 32 blocks of 16 = 512 slots: the longest of the 11 prompts alone needs 28 of them, all 11
-    # together 71. (The prompts admitted together share their chat template's blocks: a pool that
-    # holds nearly all of them preempts nothing.)
-    {"num_kv_blocks": 32},
+    # 15 blocks of 16: SHORT_SET's prompts fill them exactly (1 + 1 + 8 + 3 + 2 blocks), so all
+    # five are admitted at once, and the 13-token request's decode past 16 tokens finds no free
+    # block. (14 admits four and preempts nothing: each of them then fits its 8 tokens.)
+    {"num_kv_blocks": 15},
 ]
 
 
@@ -123,10 +137,10 @@ CONFIGS = [
 def test_parity_prompts_twice_with_the_cache_equal_once_without(
     cached_llm, prompt_ids, expected, engine_args
 ):
-    if engine_args:
-        # As in the parity tests, only the defaults run the prompt of over 1,000 tokens (131 steps
-        # of 8 a round); the other 11 (up to 423 tokens, many blocks each) take the same paths.
-        prompt_ids, expected = without_longest(prompt_ids), without_longest(expected)
+    # As in the parity tests, the defaults run the most prompts; SHORT_SET (up to 116 tokens,
+    # across chunks of 8 and blocks of 16) takes the chunked and preempted paths at a fifth of it.
+    chosen = SHORT_SET if engine_args else ALL_BUT_LONGEST
+    prompt_ids, expected = pick(prompt_ids, chosen), pick(expected, chosen)
     if "num_kv_blocks" in engine_args:
         context = cold_at_budget(make_llm(**engine_args))
     else:
@@ -157,7 +171,7 @@ def test_parity_prompts_twice_with_the_cache_equal_once_without(
 
 
 def test_requests_join_mid_decode_with_the_cache(cached_llm, prompt_ids, expected):
-    prompt_ids, expected = without_longest(prompt_ids), without_longest(expected)
+    prompt_ids, expected = pick(prompt_ids, JOIN_SET), pick(expected, JOIN_SET)
     with cold_at_budget(cached_llm, 256) as llm:
         on = llm.llm_engine
         assert run_with_staggered_arrivals(on, prompt_ids, GREEDY, steps_between=2) == expected
@@ -194,8 +208,10 @@ def boundary_prompts(base: list[int], block_size: int) -> list[list[int]]:
 def uncached_boundary_tokens(uncached_llm, base_ids):
     """Greedy tokens of every boundary prompt set, cache off, at block size 16: without the cache
     the tokens do not depend on the block size (test_parity_smollm2's block sizes 1 and 32 give
-    transformers' tokens), so one uncached engine serves block sizes 1, 16 and 32."""
-    return {b: generate(uncached_llm, boundary_prompts(base_ids, b)) for b in (1, 16, 32)}
+    transformers' tokens), so one uncached engine serves block sizes 1, 16 and 32, in one batch."""
+    prompt_sets = {b: boundary_prompts(base_ids, b) for b in (1, 16, 32)}
+    tokens = iter(generate(uncached_llm, [p for prompts in prompt_sets.values() for p in prompts]))
+    return {b: [next(tokens) for _ in prompts] for b, prompts in prompt_sets.items()}
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
