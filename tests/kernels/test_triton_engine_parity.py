@@ -18,7 +18,8 @@ from tests.conftest import hf_greedy, run_to_completion, tiny_engine, tiny_hf_mo
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(240)
 
-MAX_TOKENS = 6
+# 4 tokens: 3 decode steps after the prefill, enough for the padded batch to shrink from 4 to 3.
+MAX_TOKENS = 4
 # qworker.testing.tiny_model.TINY_LLAMA (head_dim 16, GQA 2: the smallest shapes the kernels take), with an
 # MLP width that is not a power of two.
 MODEL_ARGS = dict(intermediate_size=96)
@@ -30,12 +31,15 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(length)] for length in (1, 5, 9, 23)]
 
 
-def generate(engine) -> list[list[int]]:
+def generate(engine, order: tuple[int, ...] = (0, 1, 2, 3)) -> list[list[int]]:
+    """The prompts' greedy tokens, in prompt order; `order` is the order they are added in."""
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts())]
+    all_prompts = prompts()
+    for i in order:
+        engine.add_request(f"r{i}", {"prompt_token_ids": all_prompts[i]}, sp)
     outs = run_to_completion(engine)
     assert engine.kv_stats().num_used_blocks == 0
-    return [outs[i].outputs[0].token_ids for i in ids]
+    return [outs[f"r{i}"].outputs[0].token_ids for i in range(len(all_prompts))]
 
 
 def engine(model, backend: str, **args):
@@ -58,8 +62,9 @@ def torch_tokens(model) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "engine_args",
+    # The default engine's run (eager on the CPU, graphs on CUDA) is the one of
+    # test_cuda_graphs_switch_off_and_back_on, which runs eagerly and then with the graphs.
     [
-        {},
         # Chunked prefill: chunks of <= 5 tokens after a cached prefix, mixed with decodes.
         {"max_num_batched_tokens": 5},
         # Block size 16, chunks of 7: a chunk and its prefix straddle a block boundary.
@@ -75,25 +80,33 @@ def test_triton_backend_matches_torch(model, torch_tokens, engine_args) -> None:
 
 
 def test_triton_backend_with_preemption(model, torch_tokens) -> None:
-    # 8 blocks of 4 slots: the 23-token prompt alone needs 8 once it has grown to 29 tokens.
-    triton_engine = engine(model, "triton", num_kv_blocks=8, block_size=4)
-    assert generate(triton_engine) == torch_tokens
+    # 7 blocks of 4 slots: the 23-token prompt, added first, takes 6 and the 1-token one the 7th;
+    # the first's 25th position needs an 8th, so the newer one is preempted (and resumed later).
+    triton_engine = engine(model, "triton", num_kv_blocks=7, block_size=4)
+    assert generate(triton_engine, order=(3, 0, 1, 2)) == torch_tokens
     assert triton_engine.scheduler.num_preemptions > 0
 
 
-def test_padded_decode_graph_batches(model, torch_tokens, monkeypatch) -> None:
-    """Pure-decode steps through DecodeCudaGraphs: 4 sequences in the graph of 4, then 3 of them
-    padded to 4 once the first finishes. On CUDA the engine captures real graphs; on the CPU the
-    same static, padded buffers run eagerly (enable_cuda_graphs(allow_cpu=True))."""
+def test_cuda_graphs_switch_off_and_back_on(model, torch_tokens, monkeypatch) -> None:
+    """disable_cuda_graphs() makes every step eager; enable_cuda_graphs() brings back the same
+    graphs (nothing captured twice), and pure-decode steps then go through DecodeCudaGraphs: 4
+    sequences in the graph of 4, then 3 of them padded to 4 once the first finishes. On CUDA the
+    engine captures real graphs; on the CPU the same static, padded buffers run eagerly
+    (enable_cuda_graphs(allow_cpu=True)). The torch backend has no graphs to enable."""
     triton_engine = engine(model, "triton", max_num_seqs=4)
     runner = triton_engine.runner
     if DEVICE == "cpu":
         assert runner.cuda_graphs is None, "CUDA graphs must stay off on the CPU"
         with pytest.raises(ValueError, match="CUDA device"):
             runner.enable_cuda_graphs()
-        runner.enable_cuda_graphs(allow_cpu=True)
-    graphs = runner.cuda_graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    graphs = runner.enable_cuda_graphs(allow_cpu=True)
+    assert graphs.sizes == [1, 2, 4]
+    runner.disable_cuda_graphs()
+    assert runner.cuda_graphs is None
+    assert generate(triton_engine) == torch_tokens
+    assert graphs.num_runs == 0
+    assert runner.enable_cuda_graphs(allow_cpu=True) is graphs
+    assert runner.cuda_graphs is graphs
     padded_batches: list[tuple[int, int]] = []
     run = graphs.run
 
@@ -117,22 +130,6 @@ def test_padded_decode_graph_batches(model, torch_tokens, monkeypatch) -> None:
     expected = [t[: MAX_TOKENS - (i == 0)] for i, t in enumerate(torch_tokens)]
     assert tokens == expected
     assert (4, 4) in padded_batches and (3, 4) in padded_batches, padded_batches
-
-
-def test_cuda_graphs_switch_off_and_back_on(model, torch_tokens) -> None:
-    """disable_cuda_graphs() makes every step eager; enable_cuda_graphs() brings back the same
-    graphs (nothing captured twice). The torch backend has no graphs to enable."""
-    triton_engine = engine(model, "triton", max_num_seqs=4)
-    runner = triton_engine.runner
-    graphs = runner.enable_cuda_graphs(allow_cpu=True)
-    runner.disable_cuda_graphs()
-    assert runner.cuda_graphs is None
-    assert generate(triton_engine) == torch_tokens
-    assert graphs.num_runs == 0
-    assert runner.enable_cuda_graphs(allow_cpu=True) is graphs
-    assert runner.cuda_graphs is graphs
-    assert generate(triton_engine) == torch_tokens
-    assert graphs.num_runs > 0
     with pytest.raises(ValueError, match="does not support CUDA graphs"):
         engine(model, "torch").runner.enable_cuda_graphs(allow_cpu=True)
 
