@@ -58,7 +58,7 @@ LORA_SETTINGS = ("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4", "-
 STATS_INTERVAL_S = 0.5
 # Every worker this script starts inherits this variable: the last cleanup kills them by it, so
 # that a worker still starting when SIGTERM came (not yet in a Pool) is killed too.
-MARK = "QWORKER_BENCH_LORA_POOL"
+MARK = "BENCH_LORA_POOL_RUN"  # not a qworker setting: no QWORKER_ prefix
 # A worker refreshes its view of the live workers (who owns which lane) at most three times per
 # lease (30 s by default): the first worker to start owns every lane in its own eyes for up to
 # 10 s after the second joins. Jobs enqueued before both views agree would all be read as the

@@ -176,6 +176,9 @@ class Soak:
         self.num_kills = 0
         self.num_terms = 0
         self.num_redis_restarts = 0
+        # Restarts under way (each waits until its worker is ready): joined before the run returns,
+        # so that a worker still starting when the run stops is stopped too, not left behind.
+        self.restarts: list[threading.Thread] = []
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -220,7 +223,9 @@ class Soak:
                 self.log(f"{slot.name} restarted")
                 return
 
-        threading.Thread(target=later, daemon=True).start()
+        thread = threading.Thread(target=later, daemon=True)
+        self.restarts.append(thread)
+        thread.start()
 
     # -- the producer ------------------------------------------------------------------------------
 
@@ -349,6 +354,8 @@ class Soak:
             for slot in self.slots:
                 if slot.process is not None:
                     slot.process.wait(timeout=120)
+        for thread in self.restarts:  # a start in flight sees the stop once ready and kills its worker
+            thread.join(timeout=180)
         summary = self.summarize(self.redis_client())
         self.server.stop()
         return 0 if summary["ok"] else 1
