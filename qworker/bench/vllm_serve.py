@@ -30,6 +30,8 @@ from qworker.bench.vllm_cpu import (
     DriverError,
     default_root,
     driver_env,
+    log_tail,
+    signal_session,
     venv_python,
 )
 from qworker.bench.workload import BenchRequest
@@ -166,15 +168,10 @@ class VllmServeSystem(System):
         self._signal_session(signal.SIGSTOP)  # until its first run
 
     def _log_tail(self) -> str:
-        if self._log_path is None or not self._log_path.exists():
-            return "no log"
-        text = self._log_path.read_text(errors="replace")
-        return f"log {self._log_path}, last lines:\n{text[-3000:]}"
+        return log_tail(self._log_path)
 
     def _signal_session(self, signum: signal.Signals) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signum)
+        signal_session(self._proc, signum)
 
     def close(self) -> None:
         if self.stream is not None:
